@@ -1,0 +1,236 @@
+"""The model provider: a megatron-core ``GPTModel`` for Qwen2/Qwen2.5 and Llama, with RoPE by position id.
+
+* :func:`build_model` turns :class:`~megatron_jf.models.hf_config.ModelArgs` into a
+  :class:`JFGPTModel` for the current tensor/pipeline-parallel rank.
+* :class:`JFGPTModel` fixes megatron-core's RoPE, which is computed for ``0..seq_len-1`` whatever
+  ``position_ids`` say (upstream NVIDIA/Megatron-LM#453). Jacobi Forcing needs real positions:
+  training packs noisy and clean copies of a block at the *same* positions (paper Sec. 3.1), and
+  decoding forwards a block at an offset after a KV cache. Here cos/sin are gathered per token from
+  one cached table.
+* :func:`forward_logits` is the inference-style call: gathered logits ``[b, s, vocab]`` sliced to the
+  real vocabulary (TP padding removed), optionally through a KV cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megatron_jf import platform
+from megatron_jf.models.hf_config import ModelArgs
+
+platform.apply_cpu_shims()
+
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
+
+from megatron_jf.models.attention import JFCoreAttention  # noqa: E402
+from megatron_jf.models.kv_cache import KVCache  # noqa: E402
+
+
+class JFGPTModel(GPTModel):
+    """``GPTModel`` whose rotary embedding honours explicit ``position_ids`` ``[b, s]`` (int64).
+
+    The cos/sin table for positions ``0..max_pos`` is computed once and grown on demand; each token
+    gathers its own row, giving RoPE frequencies ``[s, b, 1, d]`` that megatron's unfused
+    ``apply_rotary_pos_emb`` broadcasts over heads.
+    """
+
+    vocab_size_unpadded: int = 0
+
+    def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
+                    packed_seq_params=None, padding_mask=None):
+        out = super()._preprocess(input_ids, position_ids, decoder_input=decoder_input,
+                                  inference_context=inference_context, packed_seq_params=packed_seq_params,
+                                  padding_mask=padding_mask)
+        if position_ids is None or out[1] is None:
+            return out
+        needed = int(position_ids.max()) + 1
+        table = getattr(self, "_rope_table", None)
+        if table is None or table.shape[0] < needed:
+            size = max(needed, 2 * (table.shape[0] if table is not None else 0), 256)
+            table = self.rotary_pos_emb(size)[:, 0, 0, :]  # [size, d]
+            self._rope_table = table
+        rope = table[position_ids].transpose(0, 1).unsqueeze(2)  # [s, b, 1, d]
+        return (out[0], rope) + tuple(out[2:])
+
+
+def layer_spec(args: ModelArgs):
+    """The transformer-layer ``ModuleSpec``: megatron's local spec with RMSNorm and our core attention.
+
+    The same spec is used on GPU; Transformer Engine, when present, is used for fused
+    projections only through megatron's TE spec (selected in :func:`build_model`).
+    """
+    if platform.HAVE_TE and platform.HAVE_CUDA:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = JFCoreAttention
+    spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.arbitrary
+    return spec
+
+
+def transformer_config(args: ModelArgs, *, params_dtype: torch.dtype | None = None,
+                       sequence_parallel: bool = False) -> TransformerConfig:
+    """megatron-core ``TransformerConfig`` for ``args`` on the current TP/PP group.
+
+    Fusions that need CUDA kernels are enabled only on GPU. Weights are initialised on CPU and then
+    split, so TP shards are cut from one master weight (TP=2 equals TP=1 up to rounding).
+    """
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    args.validate_parallel(tp, pp)
+    dtype = params_dtype or platform.default_dtype()
+    gpu = platform.HAVE_CUDA
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.intermediate_size,
+        num_attention_heads=args.num_heads,
+        num_query_groups=args.num_kv_heads,
+        kv_channels=args.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=args.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=args.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=sequence_parallel and tp > 1,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=True,
+        init_method_std=0.02,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=gpu,
+        bias_dropout_fusion=gpu,
+        apply_rope_fusion=False,  # fused RoPE expects [s,1,1,d] freqs; ours are per token
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def build_model(args: ModelArgs, *, params_dtype: torch.dtype | None = None, sequence_parallel: bool = False,
+                device: torch.device | None = None) -> JFGPTModel:
+    """Build this rank's part of the model (megatron-core model provider).
+
+    Requires :func:`megatron_jf.parallel.initialize` to have run. The vocabulary is padded to a
+    multiple of the TP size; :func:`forward_logits` slices the padding off.
+
+    Returns:
+        :class:`JFGPTModel` on ``device`` (default: the platform default) in ``params_dtype``.
+
+    Raises:
+        ValueError: the architecture does not split over the TP/PP sizes.
+    """
+    tp = ps.get_tensor_model_parallel_world_size()
+    config = transformer_config(args, params_dtype=params_dtype, sequence_parallel=sequence_parallel)
+    model = JFGPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(args),
+        vocab_size=args.padded_vocab_size(tp, divisible_by=1),
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=args.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=int(args.rope_theta) if float(args.rope_theta).is_integer() else args.rope_theta,
+    )
+    model.vocab_size_unpadded = args.vocab_size
+    model.model_args = args
+    slot = 0
+    for m in model.modules():
+        if isinstance(m, JFCoreAttention):
+            m.cache_slot = slot
+            slot += 1
+    model.num_local_layers = slot
+    return model.to(device or platform.default_device())
+
+
+def unwrap(model):
+    """The :class:`JFGPTModel` inside DDP/Float16 wrappers."""
+    while not isinstance(model, JFGPTModel) and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def new_kv_cache(model, batch_size: int, max_len: int) -> KVCache:
+    """A :class:`KVCache` sized for ``model`` on this rank (local layers and local KV heads)."""
+    m = unwrap(model)
+    tp = ps.get_tensor_model_parallel_world_size()
+    a = m.model_args
+    p = next(m.parameters())
+    return KVCache(m.num_local_layers, batch_size, max_len, a.num_kv_heads // tp, a.head_dim,
+                   dtype=p.dtype, device=p.device)
+
+
+@contextlib.contextmanager
+def attach_kv_cache(model, cache: KVCache | None):
+    """Context manager: route every core attention of ``model`` through ``cache`` (None detaches)."""
+    m = unwrap(model)
+    mods = [x for x in m.modules() if isinstance(x, JFCoreAttention)]
+    for x in mods:
+        x.kv_cache = cache
+    try:
+        yield
+    finally:
+        for x in mods:
+            x.kv_cache = None
+
+
+@torch.no_grad()
+def forward_logits(model, tokens: torch.Tensor, position_ids: torch.Tensor, *,
+                   allowed: torch.Tensor | None = None, kv_cache: KVCache | None = None,
+                   new_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One inference forward; returns full-vocabulary logits (gathered over TP).
+
+    Args:
+        tokens: int64 ``[b, s]``.
+        position_ids: int64 ``[b, s]`` RoPE positions.
+        allowed: optional bool ``[b|1, s, s]`` or ``[s, s]``, True where query i may attend key j
+            (no cache). Default: causal.
+        kv_cache: optional cache; the tokens are appended after each row's committed length
+            (see :class:`KVCache`), and stay uncommitted until ``kv_cache.commit``.
+        new_mask: with a cache, bool ``[b|1, s, s]`` visibility among the new tokens (default causal).
+
+    Returns:
+        float32 logits ``[b, s, vocab]`` (vocabulary padding removed). Requires a single pipeline
+        stage (decoding with PP > 1 is not supported).
+
+    Raises:
+        ValueError: shape mismatch between tokens and positions, or PP > 1.
+    """
+    if tokens.shape != position_ids.shape or tokens.dim() != 2:
+        raise ValueError(f"tokens {tuple(tokens.shape)} and position_ids {tuple(position_ids.shape)} must both be [b, s]")
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        raise ValueError("forward_logits needs pipeline-parallel size 1 (decoding does not pipeline)")
+    m = unwrap(model)
+    dev = next(m.parameters()).device
+    tokens, position_ids = tokens.to(dev), position_ids.to(dev)
+    mask = None
+    if kv_cache is None and allowed is not None:
+        a = allowed if allowed.dim() == 3 else allowed.unsqueeze(0)
+        mask = (~a.to(dev)).unsqueeze(1)
+    if kv_cache is not None:
+        kv_cache.begin(tokens.shape[1], new_mask)
+        try:
+            with attach_kv_cache(m, kv_cache):
+                logits = m(tokens, position_ids, None, runtime_gather_output=True)
+        finally:
+            kv_cache.end()
+    else:
+        logits = m(tokens, position_ids, mask, runtime_gather_output=True)
+    return logits[..., : m.vocab_size_unpadded].float()

@@ -1,0 +1,179 @@
+"""A KV cache for Jacobi decoding: append a block of tokens, verify, keep any subset, roll back per row.
+
+Slots and positions are separate. A token's *position* (its RoPE index) is fixed when it is
+forwarded; its *slot* is where its key/value live in the cache. Keys are cached after RoPE, so
+moving a key to another slot keeps its position. This lets one forward carry several draft
+candidates side by side (MR verification, paper Sec. 3.2) and then keep only the winner's tokens,
+compacted into the committed region, without copying the prefix per candidate.
+
+Per batch row ``b`` the cache holds ``lengths[b]`` committed tokens in slots ``[0, lengths[b])``.
+A forward of ``s`` new tokens writes them at slots ``lengths[b] + i``; new token ``i`` attends to
+every committed slot and to the new tokens allowed by ``new_mask[b, i, :]`` (default: causal).
+After verification, :meth:`commit` keeps a chosen list of the new tokens (moved to be contiguous)
+and everything else becomes garbage that later writes overwrite and no mask ever exposes.
+
+Tensor layout: ``k[layer]``, ``v[layer]``: ``[B, G, max_len, D]`` (G = KV heads on this TP rank).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Per-layer key/value buffers with per-row committed lengths.
+
+    Args:
+        num_layers: transformer layers held by this (pipeline) rank.
+        batch_size: rows B.
+        max_len: slots per row, in tokens (committed + the largest block forwarded at once).
+        num_kv_heads: KV heads on this tensor-parallel rank.
+        head_dim: channels per head.
+        dtype, device: of the buffers.
+
+    Raises:
+        ValueError: a non-positive size.
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        for name, val in (("num_layers", num_layers), ("batch_size", batch_size), ("max_len", max_len),
+                          ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if val < 1:
+                raise ValueError(f"KVCache {name} must be >= 1, got {val}")
+        shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.batch_size = batch_size
+        self.lengths = torch.zeros(batch_size, dtype=torch.long)  # committed tokens per row (host)
+        self._step: _Step | None = None
+
+    # ------------------------------------------------------------------ forward protocol
+    def begin(self, num_new: int, new_mask: torch.Tensor | None = None) -> None:
+        """Prepare a forward of ``num_new`` tokens per row (called by the model wrapper).
+
+        Args:
+            num_new: s, new tokens per row in this forward.
+            new_mask: optional bool ``[B, s, s]`` or ``[s, s]``, True where new token i may attend new
+                token j. Default: causal (j <= i). Committed slots are always visible.
+
+        Raises:
+            ValueError: the block does not fit in ``max_len`` slots, or a bad mask shape.
+        """
+        s = num_new
+        end = self.lengths + s
+        kv_len = int(end.max())
+        if kv_len > self.max_len:
+            raise ValueError(f"KV cache overflow: {kv_len} slots needed, cache holds {self.max_len}")
+        device = self.k.device
+        starts = self.lengths.to(device)
+        uniform = bool((self.lengths == self.lengths[0]).all())
+        if new_mask is None:
+            new_mask = torch.ones(s, s, dtype=torch.bool, device=device).tril_()
+        else:
+            if new_mask.shape[-2:] != (s, s) or new_mask.dtype != torch.bool:
+                raise ValueError(f"new_mask must be bool [B, {s}, {s}] or [{s}, {s}], got {tuple(new_mask.shape)} {new_mask.dtype}")
+            new_mask = new_mask.to(device)
+        if uniform:
+            start = int(self.lengths[0])
+            nm = new_mask if new_mask.dim() == 3 else new_mask.unsqueeze(0)
+            committed = torch.ones(nm.shape[0], s, start, dtype=torch.bool, device=device)
+            mask = torch.cat([committed, nm], dim=-1)  # [B|1, s, start+s]
+            mask = None if (s == 1) else mask.unsqueeze(1)
+            self._step = _Step(s, kv_len, mask, start, None)
+        else:
+            j = torch.arange(kv_len, device=device)
+            rel = j[None, :] - starts[:, None]  # [B, kv]: slot index relative to this row's new block
+            committed = rel < 0
+            in_new = (rel >= 0) & (rel < s)
+            nm = new_mask if new_mask.dim() == 3 else new_mask.unsqueeze(0).expand(self.batch_size, s, s)
+            gathered = torch.gather(nm, 2, rel.clamp(0, s - 1)[:, None, :].expand(-1, s, -1))  # [B, s, kv]
+            mask = committed[:, None, :] | (in_new[:, None, :] & gathered)
+            write_idx = starts[:, None] + torch.arange(s, device=device)[None, :]  # [B, s]
+            self._step = _Step(s, kv_len, mask.unsqueeze(1), None, write_idx)
+
+    def update(self, slot: int, k: torch.Tensor, v: torch.Tensor):
+        """Write this forward's keys/values for layer ``slot`` and return what attention needs.
+
+        Args:
+            slot: local layer index in ``[0, num_layers)``.
+            k, v: ``[B, G, s, D]`` post-RoPE keys and values of the new tokens.
+
+        Returns:
+            ``(k_all, v_all, mask)``: ``[B, G, kv_len, D]`` views and a bool mask ``[B, 1, s, kv_len]``
+            (True = attend) or None when every key is visible.
+        """
+        st = self._step
+        if st is None:
+            raise RuntimeError("KVCache.update called outside a forward (call begin() first)")
+        if st.start is not None:
+            self.k[slot, :, :, st.start:st.start + st.s] = k
+            self.v[slot, :, :, st.start:st.start + st.s] = v
+        else:
+            idx = st.write_idx[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+            self.k[slot].scatter_(2, idx, k)
+            self.v[slot].scatter_(2, idx, v)
+        return self.k[slot, :, :, :st.kv_len], self.v[slot, :, :, :st.kv_len], st.mask
+
+    def end(self) -> None:
+        """Finish the forward. The new tokens stay *uncommitted* until :meth:`commit`."""
+        self._step = None
+
+    # ------------------------------------------------------------------ after verification
+    def commit(self, keep: list[torch.Tensor | list[int] | int]) -> None:
+        """Commit new tokens of the last forward, per row, and drop the rest.
+
+        Args:
+            keep: one entry per row: an int ``a`` keeps new tokens ``0..a-1`` (the usual accepted
+                prefix, no copy); a list/1-D tensor of indices into the last forward's new tokens keeps
+                those, in that order (moved to be contiguous after the committed region).
+
+        Raises:
+            ValueError: wrong number of rows or an index past the last forward's tokens.
+        """
+        if len(keep) != self.batch_size:
+            raise ValueError(f"commit() needs one entry per row ({self.batch_size}), got {len(keep)}")
+        for b, kp in enumerate(keep):
+            start = int(self.lengths[b])
+            if isinstance(kp, int):
+                n = kp
+            else:
+                idx = torch.as_tensor(kp, dtype=torch.long)
+                n = int(idx.numel())
+                if n and not torch.equal(idx, torch.arange(n)):
+                    src = (start + idx).to(self.k.device)
+                    self.k[:, b, :, start:start + n] = self.k[:, b, :, src]
+                    self.v[:, b, :, start:start + n] = self.v[:, b, :, src]
+            if start + n > self.max_len:
+                raise ValueError(f"commit past cache capacity on row {b}")
+            self.lengths[b] = start + n
+
+    def trim(self, lengths: torch.Tensor | list[int]) -> None:
+        """Roll rows back to shorter committed lengths (tokens past them are forgotten).
+
+        Raises:
+            ValueError: a new length exceeds the current one or is negative.
+        """
+        lengths = torch.as_tensor(lengths, dtype=torch.long)
+        if lengths.shape != self.lengths.shape or bool((lengths > self.lengths).any()) or bool((lengths < 0).any()):
+            raise ValueError(f"trim() lengths {lengths.tolist()} must be within [0, {self.lengths.tolist()}]")
+        self.lengths = lengths.clone()
+
+    def copy_row(self, src: int, dst: int) -> None:
+        """Make row ``dst`` an exact copy of row ``src`` (its committed tokens)."""
+        n = int(self.lengths[src])
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.lengths[dst] = n
+
+    def reset(self) -> None:
+        """Forget everything (lengths to zero)."""
+        self.lengths.zero_()
+
+
+class _Step:
+    __slots__ = ("s", "kv_len", "mask", "start", "write_idx")
+
+    def __init__(self, s, kv_len, mask, start, write_idx):
+        self.s, self.kv_len, self.mask, self.start, self.write_idx = s, kv_len, mask, start, write_idx

@@ -1,0 +1,128 @@
+"""Hardware detection and the small set of shims that let megatron-core 0.16 run on CPU.
+
+megatron-core is written for CUDA. On a machine without a GPU (our CI, laptops) a handful of
+call sites allocate on ``cuda`` unconditionally. :func:`apply_cpu_shims` patches exactly those,
+and only when CUDA is absent, so the GPU path runs the library unmodified. Each patch says why
+it exists. Measured notes: ``shared/research/mcore_cpu.md`` (probe of 0.16.1 on torch 2.13 CPU).
+
+Switches (all automatic, overridable by environment variables for experiments):
+
+* ``HAVE_CUDA``: ``torch.cuda.is_available()``.
+* ``HAVE_TE``: Transformer Engine importable *and* CUDA present. A broken TE install makes
+  ``import megatron.core`` crash, so never install TE on CPU machines (it is the ``[gpu]`` extra).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import types
+import warnings
+
+import torch
+
+# megatron-core warns at import that it falls back to torch implementations without TE/Apex; on CPU
+# that is the intended configuration, so keep the logs readable.
+warnings.filterwarnings("ignore", message=".*(Transformer Engine and Apex|Apex is not installed).*")
+
+HAVE_CUDA: bool = torch.cuda.is_available()
+
+
+def _have_te() -> bool:
+    if not HAVE_CUDA or os.environ.get("MEGATRON_JF_DISABLE_TE") == "1":
+        return False
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # a broken TE install: behave as if absent
+        return False
+    return True
+
+
+HAVE_TE: bool = _have_te()
+
+_SHIMS_APPLIED = False
+
+
+def default_device() -> torch.device:
+    """The device models and caches live on: the current CUDA device if present, else CPU."""
+    if HAVE_CUDA:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def default_dtype() -> torch.dtype:
+    """bf16 on GPU (as the paper trains), fp32 on CPU (bf16 CPU matmuls are slower and inexact)."""
+    return torch.bfloat16 if HAVE_CUDA else torch.float32
+
+
+class _CudaToCpuTorch(types.ModuleType):
+    """A proxy of the ``torch`` module that maps ``device="cuda"`` to CPU in tensor factories.
+
+    Installed as the ``torch`` global of the few megatron modules that hard-code
+    ``device="cuda"`` (pipeline schedules count tokens with ``torch.zeros(..., device="cuda")``).
+    """
+
+    _FACTORIES = {"zeros", "ones", "empty", "tensor", "full", "arange"}
+
+    def __init__(self):
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        attr = getattr(torch, name)
+        if name in self._FACTORIES:
+            def factory(*args, **kwargs):
+                dev = kwargs.get("device")
+                if dev is not None and str(dev).startswith("cuda"):
+                    kwargs["device"] = "cpu"
+                return attr(*args, **kwargs)
+            return factory
+        return attr
+
+
+def apply_cpu_shims() -> None:
+    """Patch megatron-core 0.16 for CPU-only runs. A no-op when CUDA is available.
+
+    Patches (each is the smallest change that removes one hard CUDA dependency):
+
+    1. ``torch.cuda.current_device`` returns the CPU device and ``torch.cuda.synchronize`` is a
+       no-op. About 175 megatron call sites allocate with ``device=torch.cuda.current_device()``
+       (global memory buffer, rotary tables, TP gathers, pipeline p2p buffers).
+    2. ``megatron.core.transformer.utils.get_default_causal_mask`` builds on ``cuda``; replaced by
+       a CPU version (our own core attention never needs it, but megatron helpers may).
+    3. The model-parallel RNG tracker: ``model_parallel_cuda_manual_seed`` reads CUDA RNG state.
+       :func:`megatron_jf.parallel.set_seed` uses the inference tracker on CPU, whose ``fork()``
+       is a no-op; our models use no dropout (Qwen2.5/Llama have none), so this changes nothing.
+    4. ``pipeline_parallel.schedules`` counts tokens with ``torch.zeros(device="cuda")``; its
+       ``torch`` global is replaced by a proxy that maps ``cuda`` to CPU in tensor factories.
+    5. ``Tensor.cuda()`` returns the tensor unchanged: tied embeddings under pipeline parallelism
+       all-reduce ``weight.data.cuda()`` between the first and last stage. Without CUDA every such
+       call would fail, so the identity is the only meaningful behaviour.
+
+    Raises:
+        Nothing. Safe to call many times.
+    """
+    global _SHIMS_APPLIED
+    if HAVE_CUDA or _SHIMS_APPLIED:
+        return
+    _SHIMS_APPLIED = True
+    torch.cuda.current_device = lambda: torch.device("cpu")  # (1)
+    torch.cuda.synchronize = lambda *a, **k: None
+
+    from megatron.core.transformer import utils as tutils  # (2)
+
+    def _cpu_causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+    tutils.get_default_causal_mask = _cpu_causal_mask
+    with contextlib.suppress(Exception):
+        from megatron.core.fusions import fused_softmax
+
+        fused_softmax.get_default_causal_mask = _cpu_causal_mask
+
+    from megatron.core.pipeline_parallel import schedules  # (4)
+
+    schedules.torch = _CudaToCpuTorch()
+    torch.Tensor.cuda = lambda self, *a, **k: self  # (5)

@@ -1,0 +1,54 @@
+"""Tiny real models for tests and benchmarks: random Qwen2/Llama checkpoints built from configs.
+
+Nothing here is mocked: these are ordinary ``transformers`` models with every tensor randomised
+(biases and norms included, so a wrong mapping cannot hide behind zeros or ones).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def tiny_hf_config(family: str = "qwen2", *, vocab: int = 256, hidden: int = 64, layers: int = 2, heads: int = 4,
+                   kv_heads: int = 2, ffn: int = 96, tied: bool = False, rope_theta: float = 10000.0,
+                   max_pos: int = 512):
+    """A ``transformers`` config for a tiny Qwen2 (``family="qwen2"``) or Llama (``"llama"``) model."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, rms_norm_eps=1e-6,
+                  max_position_embeddings=max_pos, tie_word_embeddings=tied,
+                  rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+                  bos_token_id=None, eos_token_id=vocab - 1, pad_token_id=None)
+    if family == "qwen2":
+        return Qwen2Config(architectures=["Qwen2ForCausalLM"], **common)
+    if family == "llama":
+        return LlamaConfig(architectures=["LlamaForCausalLM"], attention_bias=False, mlp_bias=False, **common)
+    raise ValueError(f"unknown family {family!r}")
+
+
+def tiny_hf_model(family: str = "qwen2", seed: int = 0, scale: float = 0.08, **kw):
+    """A tiny HF causal LM with all tensors drawn from N(0, scale²) (norm weights around 1), fp32, eager."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_hf_config(family, **kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(scale * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def save_tiny_hf(path: str, family: str = "qwen2", seed: int = 0, **kw) -> str:
+    """Save a tiny random HF checkpoint (safetensors + config) to ``path`` and return it."""
+    model = tiny_hf_model(family, seed=seed, **kw)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    return path

