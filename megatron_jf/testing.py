@@ -52,3 +52,30 @@ def save_tiny_hf(path: str, family: str = "qwen2", seed: int = 0, **kw) -> str:
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     return path
+
+
+def peaked_hf_model(family: str = "qwen2", period: int = 4, seed: int = 0, sharpness: float = 30.0, **kw):
+    """A tiny HF model whose greedy continuation is easy to guess: next token = the next element of a
+    cycle of ``period`` tokens containing the current token (``period=1``: repeat the current token).
+
+    Built from a random model by making the embedding dominate the residual stream (attention and MLP
+    outputs scaled down, not removed, so the context still matters a little) and setting the LM head to
+    the embedding of the predecessor in the cycle, scaled by ``sharpness`` (large logit margins).
+    """
+    model = tiny_hf_model(family, seed=seed, **kw)
+    V = model.config.vocab_size
+    idx = torch.arange(V)
+    succ = idx - idx % period + (idx % period + 1) % period  # t -> next in its cycle
+    pred = torch.empty_like(succ)
+    pred[succ] = idx
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight
+        emb.copy_(torch.nn.functional.normalize(emb, dim=-1) * emb.shape[1] ** 0.5)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.02)
+            layer.mlp.down_proj.weight.mul_(0.02)
+        model.model.norm.weight.fill_(1.0)
+        if model.config.tie_word_embeddings:
+            raise ValueError("peaked_hf_model needs untied embeddings")
+        model.lm_head.weight.copy_(sharpness / emb.shape[1] * emb[pred])
+    return model.eval()

@@ -1,0 +1,109 @@
+"""Sampling parameters, the processed next-token distribution, and lossless verification of a draft.
+
+Verification (paper Sec. 2.1 for greedy; the standard speculative rule for sampling): the draft
+tokens ``d_0..d_{m-1}`` are fixed *before* any random number of this step is drawn, and ``p_i`` is
+the model's processed distribution after the accepted prefix plus ``d_0..d_{i-1}``. Walking left to
+right, ``d_i`` is accepted with probability ``p_i(d_i)``; at the first rejection the emitted token is
+drawn from ``p_i`` with ``d_i`` removed and renormalised; if every draft token is accepted, a bonus
+token is drawn from ``p_m``. Every emitted token is then distributed exactly as ``p(· | prefix)``.
+Greedy decoding is the limit where ``p_i`` is one-hot at the argmax: accept iff ``d_i == argmax``,
+and emit the argmax at the first mismatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. ``temperature == 0`` means greedy.
+
+    Attributes:
+        temperature: softmax temperature (>= 0).
+        top_k: keep the k most likely tokens (0 = all).
+        top_p: nucleus mass in (0, 1] (1 = all).
+        seed: seed of the per-request random generator (same seed, same output).
+
+    Raises:
+        ValueError: on construction, for a negative temperature or top_k, or top_p outside (0, 1].
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k and top-p applied to float logits ``[..., V]``; returns probabilities ``[..., V]`` (float32)."""
+    x = logits.float() / params.temperature
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        sp, idx = torch.sort(probs, dim=-1, descending=True)
+        cum = sp.cumsum(-1)
+        drop = (cum - sp) >= params.top_p  # keep the smallest prefix reaching top_p (at least one token)
+        sp = sp.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sp)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def verify(draft: list[int], logits: torch.Tensor, params: SamplingParams,
+           generator: torch.Generator | None) -> list[int]:
+    """Verify ``draft`` against the logits of the positions that predict it; return the emitted tokens.
+
+    Args:
+        draft: ``m`` draft tokens (possibly empty: plain AR).
+        logits: float ``[m + 1, V]``; row ``i`` predicts the token at draft index ``i`` (row ``m``
+            predicts the token after the whole draft).
+        params: greedy or sampling.
+        generator: the request's random generator (sampling only).
+
+    Returns:
+        ``draft[:k] + [t]``: the accepted prefix and one more token (the correction, or the bonus
+        when all ``m`` are accepted). Always at least one token.
+    """
+    m = len(draft)
+    if params.greedy:
+        g = logits.argmax(-1).tolist()
+        k = 0
+        while k < m and draft[k] == g[k]:
+            k += 1
+        return draft[:k] + [g[k]]
+    probs = processed_probs(logits, params)
+    if m:
+        d = torch.tensor(draft, dtype=torch.long, device=probs.device)
+        p_d = probs[:m].gather(1, d[:, None])[:, 0]
+        u = torch.rand(m, generator=generator, device="cpu").to(probs.device)
+        ok = (u < p_d).long().cumprod(0)
+        k = int(ok.sum())
+    else:
+        k = 0
+    p = probs[k].clone()
+    if k < m:
+        p[draft[k]] = 0.0
+        s = p.sum()
+        if s <= 0:  # the model put all mass on the rejected token: cannot happen unless p(d)=1
+            p = probs[k]
+        else:
+            p = p / s
+    t = int(torch.multinomial(p.cpu(), 1, generator=generator))
+    return draft[:k] + [t]
