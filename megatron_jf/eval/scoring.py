@@ -1,0 +1,386 @@
+"""Scoring of completions and resumable per-sample result files.
+
+:func:`score` dispatches on ``problem.benchmark``: HumanEval/MBPP completions are run against the benchmark tests
+in the subprocess sandbox of :mod:`megatron_jf.eval.code_exec` (pass@1 with one greedy sample, as in Jacobi
+Forcing Tables 1-3); GSM8K/MATH/MATH-500 completions are graded by :mod:`megatron_jf.eval.math_grading`.
+:func:`aggregate` gives accuracy per benchmark; the paper reports it next to TPF (tokens per forward) and TPS
+(tokens per second), which the caller can add to each record with ``make_record(..., extra={...})``.
+
+Result files are JSONL, one record per task, rewritten atomically (temporary file in the same directory +
+``os.replace``), so an interrupted run leaves either the old or the new file and can be resumed:
+:class:`ResultsWriter` skips task ids already present.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Optional, Sequence
+
+from .benchmarks import CODE_BENCHMARKS, MATH_BENCHMARKS, Problem
+from .code_exec import (
+    DEFAULT_MEMORY_BYTES,
+    DEFAULT_TIMEOUT_S,
+    DEFAULT_WORKERS,
+    ExecResult,
+    build_humaneval_program,
+    build_mbpp_program,
+    extract_code,
+    run_program,
+    run_programs,
+)
+from .math_grading import DEFAULT_SYMBOLIC_TIMEOUT_S, GradeResult, grade_gsm8k, grade_math
+
+__all__ = [
+    "ResultsWriter",
+    "Score",
+    "aggregate",
+    "make_record",
+    "program_for",
+    "read_jsonl",
+    "score",
+    "score_many",
+    "write_jsonl_atomic",
+]
+
+
+@dataclass(frozen=True)
+class Score:
+    """Score of one completion.
+
+    Attributes:
+        task_id: the problem's task id.
+        benchmark: the problem's benchmark.
+        correct: passed all tests (code) / answer equivalent to gold (math).
+        status: ``"passed"``, ``"failed"``, ``"timeout"`` or ``"error"`` (math: ``"passed"``/``"failed"``).
+        message: reason (exception and line for code; "predicted X vs gold Y (method)" for math).
+        predicted: extracted answer (math) or ``None``.
+        gold: gold answer (math) or ``None``.
+        duration_s: sandbox wall time for code, seconds (0.0 for math).
+    """
+
+    task_id: str
+    benchmark: str
+    correct: bool
+    status: str
+    message: str = ""
+    predicted: Optional[str] = None
+    gold: Optional[str] = None
+    duration_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable form."""
+        return asdict(self)
+
+
+def program_for(problem: Problem, completion: str) -> str:
+    """The test program the sandbox runs for a code problem (extracted code + tests).
+
+    Raises:
+        ValueError: ``problem`` is not a code benchmark.
+    """
+    code = extract_code(completion)
+    if problem.benchmark == "humaneval":
+        return build_humaneval_program(problem.prompt, code, problem.entry_point or "", problem.tests[0])
+    if problem.benchmark == "mbpp":
+        return build_mbpp_program(code, problem.tests, problem.test_setup)
+    raise ValueError(f"problem {problem.task_id!r}: {problem.benchmark!r} is not a code benchmark")
+
+
+def _from_exec(problem: Problem, r: ExecResult) -> Score:
+    return Score(problem.task_id, problem.benchmark, r.passed, r.status, r.message, None, None, r.duration_s)
+
+
+def _from_grade(problem: Problem, g: GradeResult) -> Score:
+    if g.predicted is None:
+        msg = "no answer found in the completion"
+    else:
+        msg = f"predicted {g.predicted!r} vs gold {g.gold!r}" + (f" ({g.method})" if g.correct else "")
+    return Score(problem.task_id, problem.benchmark, g.correct, "passed" if g.correct else "failed", msg,
+                 g.predicted, g.gold, 0.0)
+
+
+def _check_completion(problem: Problem, completion: Any) -> str:
+    if completion is None:
+        return ""
+    if not isinstance(completion, str):
+        raise TypeError(f"problem {problem.task_id!r}: completion must be str, got {type(completion).__name__}")
+    return completion
+
+
+def score(
+    problem: Problem,
+    completion: Optional[str],
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    memory_bytes: Optional[int] = DEFAULT_MEMORY_BYTES,
+    math_timeout_s: float = DEFAULT_SYMBOLIC_TIMEOUT_S,
+) -> Score:
+    """Score one completion (the model's text after the prompt).
+
+    Args:
+        problem: the problem.
+        completion: model output; ``None`` counts as an empty completion (wrong).
+        timeout_s: sandbox wall-clock limit per program, seconds (code benchmarks).
+        memory_bytes: sandbox address-space limit, bytes (code benchmarks).
+        math_timeout_s: symbolic-equivalence limit, seconds (math benchmarks).
+
+    Returns:
+        :class:`Score`. Problems of the completion never raise; they give ``correct=False``.
+
+    Raises:
+        TypeError: ``completion`` is neither ``str`` nor ``None``.
+        ValueError: unknown benchmark.
+    """
+    completion = _check_completion(problem, completion)
+    if problem.benchmark in CODE_BENCHMARKS:
+        r = run_program(program_for(problem, completion), timeout_s=timeout_s, memory_bytes=memory_bytes)
+        return _from_exec(problem, r)
+    if problem.benchmark == "gsm8k":
+        return _from_grade(problem, grade_gsm8k(completion, problem.answer or "", timeout_s=math_timeout_s))
+    if problem.benchmark in MATH_BENCHMARKS:
+        return _from_grade(problem, grade_math(completion, problem.answer or "", timeout_s=math_timeout_s))
+    raise ValueError(f"problem {problem.task_id!r}: cannot score benchmark {problem.benchmark!r}")
+
+
+def score_many(
+    problems: Sequence[Problem],
+    completions: Sequence[Optional[str]],
+    *,
+    workers: int = DEFAULT_WORKERS,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    memory_bytes: Optional[int] = DEFAULT_MEMORY_BYTES,
+    math_timeout_s: float = DEFAULT_SYMBOLIC_TIMEOUT_S,
+) -> list[Score]:
+    """Score many completions; code problems run ``workers`` sandboxes at a time. Order is preserved.
+
+    A failure while scoring one item (e.g. a malformed completion type) gives that item an ``"error"`` score
+    and the rest continue.
+
+    Raises:
+        ValueError: ``problems`` and ``completions`` differ in length.
+    """
+    if len(problems) != len(completions):
+        raise ValueError(f"score_many: {len(problems)} problems but {len(completions)} completions")
+    out: list[Optional[Score]] = [None] * len(problems)
+    code_idx, programs = [], []
+    for i, (p, c) in enumerate(zip(problems, completions)):
+        try:
+            c = _check_completion(p, c)
+            if p.benchmark in CODE_BENCHMARKS:
+                programs.append(program_for(p, c))
+                code_idx.append(i)
+            else:
+                out[i] = score(p, c, math_timeout_s=math_timeout_s)
+        except Exception as e:  # noqa: BLE001 - keep going
+            out[i] = Score(p.task_id, p.benchmark, False, "error", f"{type(e).__name__}: {e}")
+    results = run_programs(programs, workers=workers, timeout_s=timeout_s, memory_bytes=memory_bytes)
+    for i, r in zip(code_idx, results):
+        out[i] = _from_exec(problems[i], r)
+    return [s for s in out if s is not None]
+
+
+def aggregate(scores: Iterable[Score]) -> dict[str, dict[str, Any]]:
+    """Accuracy per benchmark.
+
+    Returns:
+        ``{benchmark: {"n", "correct", "accuracy", "metric", "status_counts"}}`` where ``accuracy`` is a fraction in
+        [0, 1] and ``metric`` is ``"pass@1"`` for code benchmarks and ``"accuracy"`` otherwise; plus ``"all"`` over
+        every score when more than one benchmark is present.
+    """
+    groups: dict[str, list[Score]] = {}
+    for s in scores:
+        groups.setdefault(s.benchmark, []).append(s)
+
+    def summary(items: list[Score], metric: str) -> dict[str, Any]:
+        n = len(items)
+        c = sum(1 for s in items if s.correct)
+        counts: dict[str, int] = {}
+        for s in items:
+            counts[s.status] = counts.get(s.status, 0) + 1
+        return {"n": n, "correct": c, "accuracy": (c / n) if n else 0.0, "metric": metric, "status_counts": counts}
+
+    out = {b: summary(v, "pass@1" if b in CODE_BENCHMARKS else "accuracy") for b, v in sorted(groups.items())}
+    if len(groups) > 1:
+        out["all"] = summary([s for v in groups.values() for s in v], "accuracy")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# JSONL result files
+
+
+def make_record(
+    problem: Problem,
+    completion: Optional[str],
+    result: Score,
+    *,
+    prompt: Optional[str] = None,
+    prompt_meta: Optional[dict[str, Any]] = None,
+    extra: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
+    """One per-sample record: task id, benchmark, completion, score fields, prompt provenance, extras.
+
+    Args:
+        problem, completion, result: what was scored.
+        prompt: the rendered prompt text; stored as its SHA-256 (``prompt_sha256``), not verbatim.
+        prompt_meta: e.g. :func:`megatron_jf.eval.prompts.prompt_info` output (prompt-set name and hash).
+        extra: more JSON-serialisable fields (e.g. ``{"tpf": 3.9, "tps": 150.2, "new_tokens": 311}``); they may
+            not overwrite the standard keys.
+
+    Raises:
+        ValueError: ``extra`` reuses a standard key or ``result`` belongs to another task.
+    """
+    from .prompts import text_sha256
+
+    if result.task_id != problem.task_id:
+        raise ValueError(f"make_record: score is for {result.task_id!r}, problem is {problem.task_id!r}")
+    rec: dict[str, Any] = {
+        "task_id": problem.task_id,
+        "benchmark": problem.benchmark,
+        "completion": completion,
+        "correct": result.correct,
+        "status": result.status,
+        "message": result.message,
+        "predicted": result.predicted,
+        "gold": result.gold,
+        "exec_duration_s": round(result.duration_s, 4),
+        "prompt_sha256": text_sha256(prompt) if prompt is not None else None,
+    }
+    if prompt_meta:
+        rec["prompt_meta"] = dict(prompt_meta)
+    for k, v in (extra or {}).items():
+        if k in rec:
+            raise ValueError(f"make_record: extra key {k!r} would overwrite a standard field")
+        rec[k] = v
+    return rec
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    """Read a JSONL file of objects; a missing file gives ``[]``.
+
+    A truncated **last** line (e.g. a file written by another tool that was interrupted) is skipped with a
+    warning; any other invalid line raises.
+
+    Raises:
+        ValueError: invalid JSON or a non-object on a line other than the last (message gives file:line).
+    """
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            if not isinstance(obj, dict):
+                raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+        except ValueError as e:
+            if i == len(lines):
+                warnings.warn(f"{path}:{i}: skipping truncated last line ({e})", RuntimeWarning, stacklevel=2)
+                break
+            raise ValueError(f"{path}:{i}: invalid record ({e})") from e
+        out.append(obj)
+    return out
+
+
+def write_jsonl_atomic(path: str, records: Iterable[dict[str, Any]]) -> None:
+    """Write ``records`` as JSONL to a temporary file next to ``path``, fsync it, then ``os.replace`` it into place.
+
+    Raises:
+        TypeError: a record is not JSON-serialisable (the target file is left untouched).
+        OSError: the directory is not writable.
+    """
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=d)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for r in records:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+class ResultsWriter:
+    """Resumable per-sample JSONL writer.
+
+    Loads the existing file (if any); :meth:`add` ignores records whose ``task_id`` is already present; the
+    file is rewritten atomically every ``flush_every`` new records and on :meth:`flush` / leaving the ``with``
+    block (also when an exception escapes it, so finished samples are kept).
+
+    Example::
+
+        with ResultsWriter("out/humaneval.jsonl") as w:
+            for p in w.pending(problems):
+                ...
+                w.add(make_record(p, completion, score(p, completion)))
+
+    Args:
+        path: output file.
+        flush_every: number of new records between rewrites (>= 1).
+
+    Raises:
+        ValueError: ``flush_every`` < 1, or the existing file is corrupt (see :func:`read_jsonl`) or has records
+            without ``task_id``.
+    """
+
+    def __init__(self, path: str, flush_every: int = 20):
+        if not isinstance(flush_every, int) or flush_every < 1:
+            raise ValueError(f"ResultsWriter: flush_every must be an int >= 1, got {flush_every!r}")
+        self.path = path
+        self.flush_every = flush_every
+        self.records = read_jsonl(path)
+        self.done: set[str] = set()
+        for i, r in enumerate(self.records):
+            if "task_id" not in r:
+                raise ValueError(f"{path}: record {i + 1} has no 'task_id'")
+            self.done.add(str(r["task_id"]))
+        self._unflushed = 0
+
+    def pending(self, problems: Iterable[Problem]) -> list[Problem]:
+        """Problems whose ``task_id`` is not yet in the file."""
+        return [p for p in problems if p.task_id not in self.done]
+
+    def add(self, record: dict[str, Any]) -> bool:
+        """Add a record; returns ``False`` (and ignores it) if its ``task_id`` is already present.
+
+        Raises:
+            ValueError: the record has no ``task_id``.
+        """
+        if "task_id" not in record:
+            raise ValueError("ResultsWriter.add: record has no 'task_id'")
+        tid = str(record["task_id"])
+        if tid in self.done:
+            return False
+        self.records.append(record)
+        self.done.add(tid)
+        self._unflushed += 1
+        if self._unflushed >= self.flush_every:
+            self.flush()
+        return True
+
+    def flush(self) -> None:
+        """Rewrite the file atomically with all records."""
+        write_jsonl_atomic(self.path, self.records)
+        self._unflushed = 0
+
+    def __enter__(self) -> "ResultsWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.flush()
