@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The main job: Jacobi Forcing end to end on this CPU (see README "Quickstart").
+#   bash examples/quickstart.sh            # model A, about 25-30 min on 2 cores
+#   bash examples/quickstart.sh --smoke    # a couple of minutes, tiny sizes
+#   bash examples/quickstart.sh --real     # model B: SmolLM2-135M-Instruct (hours)
+# Resumable: re-run the same command after an interruption. --fresh starts over.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+exec .venv/bin/python -m megatron_jf.quickstart.pipeline "$@"

