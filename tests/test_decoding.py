@@ -195,3 +195,18 @@ def test_tp2_decoders_match_tp1_torchrun():
     out = run_torchrun("decode_tp.py")
     lines = [l for l in out.splitlines() if l.startswith("DECODE")]
     assert len(lines) >= 4 and all(l.endswith("OK") for l in lines), out
+
+
+def test_metrics_summary_values():
+    from megatron_jf.inference.engine import GenerationResult
+    from megatron_jf.inference.metrics import percentile, summarize
+
+    a = GenerationResult(tokens=[1] * 10, finish_reason="length", forwards=5, accepted=[2] * 5, prefill_s=1.0,
+                         decode_s=2.0, prompt_len=3)
+    b = GenerationResult(tokens=[1] * 6, finish_reason="eos", forwards=6, accepted=[1] * 6, prefill_s=0.0,
+                         decode_s=1.0, prompt_len=3)
+    s = summarize([a, b])
+    assert s["tpf"] == 16 / 11 and s["tpf_mean"] == (2.0 + 1.0) / 2
+    assert s["tps"] == 16 / 3.0 and s["tps_e2e"] == 16 / 4.0
+    assert s["latency_p50_s"] == 2.0 and abs(s["latency_p95_s"] - 2.9) < 1e-9
+    assert percentile([1, 2, 3, 4], 50) == 2.5
