@@ -1,0 +1,552 @@
+"""Speed + accuracy evaluation harness (Jacobi Forcing, arXiv 2512.14681, Tables 1-3 and Appendix E).
+
+One call of :func:`run_evaluation` loads a megatron checkpoint, renders a benchmark's prompts, and for every batch
+of prompts runs **greedy AR and the chosen decoder back to back in the same process on the same token ids**, so
+the reported speedup is a same-run wall-clock ratio. Because every decoder of
+:mod:`megatron_jf.inference.engine` is lossless, the greedy outputs must be identical; this is checked per sample
+(``lossless`` field) and summarised (a violation raises :class:`LosslessViolation` after everything is written,
+unless ``strict_lossless=False``). Both completions are scored (code in the sandbox of
+:mod:`megatron_jf.eval.code_exec`, math with :mod:`megatron_jf.eval.math_grading`).
+
+Metrics (paper Sec. 4.1):
+
+* **TPF** (tokens per forward) = emitted tokens / decode forward passes, summed over samples (ratio of sums);
+  AR's TPF is exactly 1.0 unless a stop *string* cut the output (the forward completing it emits nothing).
+* **TPS** (tokens per second): ``tps_decode`` = tokens / decode seconds; ``tps_e2e`` = tokens / (prefill + decode
+  seconds) (ratio of sums).
+* **latency**: per-sample prefill + decode seconds, p50 and p95.
+* **speedup** = sum of AR wall seconds / sum of decoder wall seconds, where a sample's wall time is its batch's
+  ``generate`` wall-clock time divided by the batch size (with ``batch_size=1`` it is the sample's own time).
+
+Outputs in ``out_dir`` (name stem ``{benchmark}_{decoder}``): per-sample JSONL (resumable: re-running skips the
+task ids already present; a run with another configuration refuses to mix into it), ``.summary.json`` and ``.md``
+(a table in the paper's format ``| Task | Method | Speedup | TPF | TPS | Acc |``). All files are written
+atomically (temporary file + ``os.replace``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+from .benchmarks import BENCHMARKS, load_benchmark
+from .prompts import prompt_info, render_prompt, stop_sequences
+from .scoring import ResultsWriter, aggregate, make_record, score_many
+
+__all__ = [
+    "ChatTemplateAdapter",
+    "CheckpointNotFound",
+    "EvalConfig",
+    "HarnessError",
+    "LoadedModel",
+    "LosslessViolation",
+    "ResumeMismatch",
+    "TokenizerNotFound",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "decode_config_from",
+    "load_for_inference",
+    "markdown_table",
+    "method_name",
+    "percentile",
+    "run_evaluation",
+    "summarize_records",
+]
+
+TASK_NAMES = {"humaneval": "HumanEval", "mbpp": "MBPP", "gsm8k": "GSM8K", "math": "MATH", "math500": "MATH500"}
+
+
+class HarnessError(ValueError):
+    """Base class of the harness's input errors (bad benchmark/decoder/flags)."""
+
+
+class CheckpointNotFound(FileNotFoundError):
+    """The ``--load`` directory does not exist or holds no megatron_jf checkpoint."""
+
+
+class TokenizerNotFound(FileNotFoundError):
+    """Neither the checkpoint nor ``--tokenizer`` provides tokenizer files."""
+
+
+class ResumeMismatch(ValueError):
+    """The output file holds records from a run with a different configuration."""
+
+
+class LosslessViolation(AssertionError):
+    """Greedy output of the decoder differs from greedy AR on some samples (the decoders must be lossless)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# small utilities
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file in the same directory, fsync and ``os.replace``
+    (a reader sees the old file or the new one, never a partial one).
+
+    Raises:
+        OSError: the directory cannot be created or written (the target is left untouched).
+    """
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=d)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """UTF-8 text version of :func:`atomic_write_bytes`."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile ``q`` in [0, 100] of ``values`` (NaN when empty).
+
+    Raises:
+        ValueError: ``q`` outside [0, 100].
+    """
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be in [0, 100], got {q}")
+    xs = sorted(float(v) for v in values)
+    if not xs:
+        return float("nan")
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def decode_config_from(decoder: str, **kw: Any):
+    """Build a :class:`~megatron_jf.inference.engine.DecodeConfig`, turning its ``ValueError`` into
+    :class:`HarnessError` with the same message (unknown decoder, n < 1, r outside (0, 1], ...).
+
+    ``None`` values in ``kw`` are dropped (the config's defaults apply).
+    """
+    from megatron_jf.inference.engine import DecodeConfig
+
+    try:
+        return DecodeConfig(decoder, **{k: v for k, v in kw.items() if v is not None})
+    except ValueError as e:
+        raise HarnessError(str(e)) from e
+
+
+def method_name(cfg) -> str:
+    """Human-readable method label for tables, e.g. ``"AR"``, ``"Jacobi (n=16)"``, ``"MR (n=16, K=2, r=0.85, v=4)"``."""
+    d = cfg.decoder
+    if d == "ar":
+        return "AR"
+    if d == "jacobi":
+        return f"Jacobi (n={cfg.block_size})"
+    if d == "running-window":
+        return f"Running-window (n={cfg.block_size})"
+    return f"MR (n={cfg.block_size}, K={cfg.num_blocks}, r={cfg.spawn_threshold:g}, v={cfg.verification_size})"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# model + tokenizer
+
+
+@dataclass
+class LoadedModel:
+    """A checkpoint ready for generation.
+
+    Attributes:
+        engine: :class:`~megatron_jf.inference.engine.Engine` over the model.
+        tokenizer: :class:`megatron_jf.tokenizer.Tokenizer`.
+        eos_ids: stop ids (tokenizer's eos ids and the checkpoint's ``eos_token_ids``).
+        meta: the checkpoint's ``jf_meta.json``.
+        ckpt_dir: absolute checkpoint path.
+    """
+
+    engine: Any
+    tokenizer: Any
+    eos_ids: frozenset
+    meta: dict
+    ckpt_dir: str
+
+
+def load_for_inference(ckpt_dir: str, *, tokenizer: Optional[str] = None, tp: int = 1, seed: int = 1234,
+                       threads: Optional[int] = None) -> LoadedModel:
+    """Initialise (TP ``tp``, PP 1), load the checkpoint and its tokenizer, wrap the model in an Engine.
+
+    Args:
+        ckpt_dir: megatron_jf checkpoint directory (from ``tools/convert_hf.py hf-to-mcore`` or training).
+        tokenizer: tokenizer path overriding the one the checkpoint carries.
+        tp: tensor-parallel size (all ranks must call this identically).
+        seed: seed for :func:`megatron_jf.parallel.set_seed`.
+        threads: ``torch.set_num_threads`` value (None: leave as is).
+
+    Raises:
+        CheckpointNotFound: ``ckpt_dir`` missing or not a checkpoint.
+        TokenizerNotFound: no tokenizer in the checkpoint and none given.
+    """
+    import torch
+
+    from megatron_jf import parallel
+    from megatron_jf.checkpointing import latest_iteration, load_model, tokenizer_path
+    from megatron_jf.inference.engine import Engine
+    from megatron_jf.tokenizer import load_tokenizer
+
+    ckpt_dir = os.path.abspath(ckpt_dir)
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointNotFound(f"checkpoint directory does not exist: {ckpt_dir}")
+    try:
+        it = latest_iteration(ckpt_dir)
+    except (OSError, ValueError) as e:
+        raise CheckpointNotFound(f"{ckpt_dir} is not a megatron_jf checkpoint: {e}") from e
+    if it is None:
+        raise CheckpointNotFound(f"{ckpt_dir} holds no megatron_jf checkpoint (no iter_* with jf_meta.json); "
+                                 "convert an HF model with tools/convert_hf.py hf-to-mcore")
+    tok_dir = tokenizer or tokenizer_path(ckpt_dir)
+    if tok_dir is None or not os.path.exists(tok_dir):
+        raise TokenizerNotFound(f"no tokenizer: {ckpt_dir} carries none (no tokenizer/ folder) and --tokenizer "
+                                f"{'was not given' if tokenizer is None else 'does not exist: ' + tokenizer}")
+    if threads:
+        torch.set_num_threads(int(threads))
+    parallel.initialize(tp, 1)
+    parallel.set_seed(seed)
+    model, args, meta = load_model(ckpt_dir)
+    tok = load_tokenizer(tok_dir)
+    eos = frozenset(tok.eos_ids) | frozenset(getattr(args, "eos_token_ids", None) or [])
+    return LoadedModel(Engine(model), tok, eos, meta, ckpt_dir)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# evaluation
+
+
+@dataclass
+class EvalConfig:
+    """Everything that defines one evaluation run.
+
+    Attributes:
+        load: checkpoint directory.
+        benchmark: one of :data:`~megatron_jf.eval.benchmarks.BENCHMARKS` (with ``data``: the default benchmark of
+            its lines).
+        decoder: ``jacobi``, ``running-window``, ``mr`` (or ``ar``: then only AR runs, speedup 1).
+        decode: extra :class:`DecodeConfig` fields (block_size, num_blocks, spawn_threshold, verification_size,
+            ngram_pool_size, draft_init).
+        data: local JSONL problems (``--data``) instead of the packaged benchmark.
+        limit: first ``limit`` problems (None: all).
+        max_new_tokens: generation cap per sample, tokens.
+        batch_size: prompts per ``generate`` call.
+        prompt_mode: ``chat`` or ``raw``.
+        prompt_set: prompt-set name (default ``jf-paper-v1``).
+        out_dir: output directory.
+        tokenizer: tokenizer override.
+        threads: torch CPU threads.
+        tp: tensor-parallel size.
+        seed: RNG seed (draft initialisation).
+        strict_lossless: raise :class:`LosslessViolation` at the end if AR and the decoder disagree.
+        score_timeout_s: sandbox limit per program, seconds.
+        warmup: run one short untimed generate per method first (so one-off costs do not skew the speedup).
+        progress: show a tqdm progress bar.
+    """
+
+    load: str
+    benchmark: Optional[str]
+    decoder: str = "jacobi"
+    decode: dict = field(default_factory=dict)
+    data: Optional[str] = None
+    limit: Optional[int] = None
+    max_new_tokens: int = 256
+    batch_size: int = 1
+    prompt_mode: str = "chat"
+    prompt_set: Optional[str] = None
+    out_dir: str = "eval_out"
+    tokenizer: Optional[str] = None
+    threads: Optional[int] = None
+    tp: int = 1
+    seed: int = 1234
+    strict_lossless: bool = True
+    score_timeout_s: float = 10.0
+    warmup: bool = True
+    progress: bool = True
+
+    def validate(self) -> None:
+        """Check names and ranges before anything heavy is loaded.
+
+        Raises:
+            HarnessError: unknown benchmark/decoder/prompt mode, or a non-positive size.
+            FileNotFoundError: ``data`` does not exist.
+        """
+        if self.benchmark is None and self.data is None:
+            raise HarnessError("give --benchmark (or --data with a 'benchmark' field on every line)")
+        if self.benchmark is not None and self.benchmark not in BENCHMARKS:
+            raise HarnessError(f"unknown benchmark {self.benchmark!r}; choose one of {', '.join(BENCHMARKS)}")
+        if self.data is not None and not os.path.isfile(self.data):
+            raise FileNotFoundError(f"--data file does not exist: {self.data}")
+        decode_config_from(self.decoder, **self.decode)
+        if self.prompt_mode not in ("chat", "raw"):
+            raise HarnessError(f"prompt mode must be 'chat' or 'raw', got {self.prompt_mode!r}")
+        for name in ("max_new_tokens", "batch_size", "tp"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise HarnessError(f"{name} must be an int >= 1, got {v!r}")
+        if self.limit is not None and (not isinstance(self.limit, int) or self.limit < 0):
+            raise HarnessError(f"limit must be an int >= 0, got {self.limit!r}")
+
+    @property
+    def stem(self) -> str:
+        """Output file stem, ``{benchmark or data file name}_{decoder}``."""
+        b = self.benchmark or os.path.splitext(os.path.basename(self.data or "data"))[0]
+        return f"{b}_{self.decoder}"
+
+
+def _run_key(cfg: EvalConfig, dec_cfg, ckpt_meta: dict, pinfo: dict) -> str:
+    """Hash of everything that changes the per-sample results (resuming into another config is refused)."""
+    key = {
+        "load": os.path.abspath(cfg.load), "iteration": ckpt_meta.get("iteration"),
+        "decode": asdict(dec_cfg), "max_new_tokens": cfg.max_new_tokens, "prompt": pinfo,
+        "data": os.path.abspath(cfg.data) if cfg.data else None, "benchmark": cfg.benchmark, "seed": cfg.seed,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _gen_stats(res, wall_s: float) -> dict[str, Any]:
+    return {
+        "new_tokens": len(res.tokens), "forwards": res.forwards, "finish_reason": res.finish_reason,
+        "prefill_s": res.prefill_s, "decode_s": res.decode_s, "latency_s": res.prefill_s + res.decode_s,
+        "wall_s": wall_s, "tpf": res.tpf,
+    }
+
+
+def _timed_generate(engine, ids, dec_cfg, cfg: EvalConfig, eos, stops, detok):
+    t0 = time.perf_counter()
+    out = engine.generate(ids, dec_cfg, max_new_tokens=cfg.max_new_tokens, eos_ids=eos,
+                          stop_strings=tuple(stops), detokenize=detok if stops else None)
+    return out, time.perf_counter() - t0
+
+
+def _method_summary(stats: list[dict], scores: list[bool]) -> dict[str, Any]:
+    tok = sum(s["new_tokens"] for s in stats)
+    fwd = sum(s["forwards"] for s in stats)
+    dec = sum(s["decode_s"] for s in stats)
+    e2e = sum(s["latency_s"] for s in stats)
+    lat = [s["latency_s"] for s in stats]
+    n = len(stats)
+    return {
+        "n": n, "new_tokens": tok, "forwards": fwd,
+        "tpf": tok / fwd if fwd else float("nan"),
+        "tps_decode": tok / dec if dec > 0 else float("nan"),
+        "tps_e2e": tok / e2e if e2e > 0 else float("nan"),
+        "latency_p50_s": percentile(lat, 50), "latency_p95_s": percentile(lat, 95),
+        "wall_s": sum(s["wall_s"] for s in stats), "decode_s": dec,
+        "correct": sum(bool(c) for c in scores), "accuracy": (sum(bool(c) for c in scores) / n) if n else float("nan"),
+    }
+
+
+def summarize_records(records: Sequence[dict]) -> dict[str, Any]:
+    """Aggregate per-sample records (as written by :func:`run_evaluation`) into the run summary.
+
+    Returns:
+        ``{"n", "ar": {...}, "decoder": {...}, "speedup", "lossless": {"checked", "identical", "mismatched"}}``
+        where each method block has ``tpf``, ``tps_decode``, ``tps_e2e``, ``latency_p50_s``, ``latency_p95_s``,
+        ``wall_s``, ``accuracy`` (fraction), ``correct``, ``n``, ``new_tokens``, ``forwards``.
+    """
+    ar = _method_summary([r["ar"] for r in records], [r["ar"]["correct"] for r in records])
+    dec = _method_summary([r["gen"] for r in records], [r["correct"] for r in records])
+    mism = [r["task_id"] for r in records if not r["lossless"]]
+    return {
+        "n": len(records), "ar": ar, "decoder": dec,
+        "speedup": ar["wall_s"] / dec["wall_s"] if dec["wall_s"] > 0 else float("nan"),
+        "lossless": {"checked": len(records), "identical": len(records) - len(mism), "mismatched": mism},
+    }
+
+
+def markdown_table(task: str, method: str, summary: dict[str, Any]) -> str:
+    """Paper-format table (Tables 1-3): ``| Task | Method | Speedup | TPF | TPS | Acc |``; AR row first.
+
+    TPS is decode-only tokens/s; Acc is percent (pass@1 for code). A footer line adds end-to-end TPS, latency
+    percentiles and the lossless check.
+    """
+    ar, dec = summary["ar"], summary["decoder"]
+
+    def row(name: str, m: dict, sp: float) -> str:
+        return f"| {task} | {name} | {sp:.2f}× | {m['tpf']:.2f} | {m['tps_decode']:.1f} | {100 * m['accuracy']:.1f} |"
+
+    ll = summary["lossless"]
+    lines = ["| Task | Method | Speedup | TPF | TPS | Acc |", "|---|---|---|---|---|---|", row("AR", ar, 1.0)]
+    if method != "AR":
+        lines.append(row(method, dec, summary["speedup"]))
+    lines += ["", f"n={summary['n']}; end-to-end TPS (incl. prefill): AR {ar['tps_e2e']:.1f}, {method} "
+              f"{dec['tps_e2e']:.1f}; latency p50/p95 (s): AR {ar['latency_p50_s']:.3f}/{ar['latency_p95_s']:.3f}, "
+              f"{method} {dec['latency_p50_s']:.3f}/{dec['latency_p95_s']:.3f}; lossless (greedy output == AR): "
+              f"{ll['identical']}/{ll['checked']}"]
+    return "\n".join(lines) + "\n"
+
+
+class ChatTemplateAdapter:
+    """Give a :class:`megatron_jf.tokenizer.Tokenizer` the ``transformers``-style
+    ``apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`` signature that
+    :func:`megatron_jf.eval.prompts.render_chat` calls (the project tokenizer takes no ``tokenize`` argument).
+
+    Raises (from ``apply_chat_template``):
+        ValueError: ``tokenize=True`` requested, or the tokenizer has no chat template.
+    """
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.chat_template = getattr(tokenizer, "chat_template", None)
+
+    def apply_chat_template(self, messages, tokenize: bool = False, add_generation_prompt: bool = True) -> str:
+        if tokenize:
+            raise ValueError("ChatTemplateAdapter renders text only (tokenize=False)")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+
+def run_evaluation(cfg: EvalConfig, *, loaded: Optional[LoadedModel] = None,
+                   log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> dict[str, Any]:
+    """Run AR and ``cfg.decoder`` on the same prompts, score both, write JSONL/summary/table (Tables 1-3).
+
+    Args:
+        cfg: the run (validated here before loading anything).
+        loaded: an already loaded checkpoint (reuse across runs); default: :func:`load_for_inference`.
+        log: where progress text goes.
+
+    Returns:
+        The summary dict (also written to ``{out_dir}/{stem}.summary.json``) with ``paths`` to the outputs.
+
+    Raises:
+        HarnessError, CheckpointNotFound, TokenizerNotFound, FileNotFoundError: bad inputs (before any work).
+        ResumeMismatch: the output JSONL holds records of a different configuration.
+        LosslessViolation: (``strict_lossless``) some greedy decoder output differs from AR; raised after all
+            outputs are written.
+    """
+    cfg.validate()
+    dec_cfg = decode_config_from(cfg.decoder, **cfg.decode)
+    ar_cfg = decode_config_from("ar")
+    if loaded is None:
+        loaded = load_for_inference(cfg.load, tokenizer=cfg.tokenizer, tp=cfg.tp, seed=cfg.seed, threads=cfg.threads)
+    elif cfg.threads:
+        import torch
+
+        torch.set_num_threads(int(cfg.threads))
+    tok = loaded.tokenizer
+    problems = load_benchmark(cfg.benchmark, limit=cfg.limit, data_path=cfg.data)
+    if not problems:
+        raise HarnessError("no problems selected (limit 0 or empty data file)")
+    chat = ChatTemplateAdapter(tok)
+    pinfo = prompt_info(cfg.prompt_set, mode=cfg.prompt_mode, tokenizer=chat)
+    run_key = _run_key(cfg, dec_cfg, loaded.meta, pinfo)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    jsonl = os.path.join(cfg.out_dir, cfg.stem + ".jsonl")
+    writer = ResultsWriter(jsonl, flush_every=1)
+    other = {r.get("run_key") for r in writer.records} - {run_key}
+    if other:
+        raise ResumeMismatch(f"{jsonl} holds results of another configuration (run_key {sorted(map(str, other))} "
+                             f"!= {run_key}); use another --out directory or delete the file")
+    pending = writer.pending(problems)
+    log(f"[evaluate] {cfg.stem}: {len(problems)} problems, {len(problems) - len(pending)} already done "
+        f"(resumed from {jsonl}), prompt set {pinfo['prompt_set']} ({cfg.prompt_mode})")
+
+    detok = tok.decode
+    texts = {p.task_id: render_prompt(p, chat, mode=cfg.prompt_mode, prompt_set=cfg.prompt_set) for p in pending}
+    ids = {k: tok.encode(v) for k, v in texts.items()}
+    too_long = [(k, len(v)) for k, v in ids.items() if len(v) + cfg.max_new_tokens > loaded.engine.max_context]
+    if too_long:
+        raise HarnessError(f"{len(too_long)} prompt(s) do not fit the context window of {loaded.engine.max_context} "
+                           f"tokens with max_new_tokens={cfg.max_new_tokens}, e.g. {too_long[0][0]} "
+                           f"({too_long[0][1]} prompt tokens)")
+    if pending and cfg.warmup:
+        p0 = pending[0]
+        for c in (ar_cfg, dec_cfg):
+            loaded.engine.generate([ids[p0.task_id]], c, max_new_tokens=min(4, cfg.max_new_tokens),
+                                   eos_ids=loaded.eos_ids)
+
+    bar = None
+    if cfg.progress:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(problems), initial=len(problems) - len(pending), desc=cfg.stem, unit="sample",
+                       file=sys.stderr, dynamic_ncols=True)
+        except ImportError:  # pragma: no cover - tqdm is a dependency
+            bar = None
+    try:
+        for b0 in range(0, len(pending), cfg.batch_size):
+            batch = pending[b0: b0 + cfg.batch_size]
+            # group by stop strings: they are per-request in raw mode but one list per generate call
+            stops = stop_sequences(batch[0], cfg.prompt_mode)
+            bids = [ids[p.task_id] for p in batch]
+            ar_out, ar_wall = _timed_generate(loaded.engine, bids, ar_cfg, cfg, loaded.eos_ids, stops, detok)
+            if cfg.decoder == "ar":
+                dec_out, dec_wall = ar_out, ar_wall
+            else:
+                dec_out, dec_wall = _timed_generate(loaded.engine, bids, dec_cfg, cfg, loaded.eos_ids, stops, detok)
+            ar_text = [detok(r.tokens) for r in ar_out]
+            dec_text = [detok(r.tokens) for r in dec_out]
+            ar_scores = score_many(batch, ar_text, timeout_s=cfg.score_timeout_s)
+            dec_scores = ar_scores if cfg.decoder == "ar" else score_many(batch, dec_text, timeout_s=cfg.score_timeout_s)
+            for j, p in enumerate(batch):
+                lossless = ar_out[j].tokens == dec_out[j].tokens
+                if not lossless:
+                    log(f"[evaluate] LOSSLESS CHECK FAILED for {p.task_id}: decoder output differs from AR")
+                ar_rec = {"completion": ar_text[j], "correct": ar_scores[j].correct, "status": ar_scores[j].status,
+                          **_gen_stats(ar_out[j], ar_wall / len(batch))}
+                extra = {"run_key": run_key, "method": method_name(dec_cfg), "decoder": cfg.decoder,
+                         "lossless": lossless, "gen": _gen_stats(dec_out[j], dec_wall / len(batch)), "ar": ar_rec,
+                         "prompt_tokens": len(bids[j]), "accepted": dec_out[j].accepted}
+                writer.add(make_record(p, dec_text[j], dec_scores[j], prompt=texts[p.task_id], prompt_meta=pinfo,
+                                       extra=extra))
+            if bar is not None:
+                bar.update(len(batch))
+    finally:
+        if bar is not None:
+            bar.close()
+        writer.flush()
+
+    wanted = {p.task_id for p in problems}
+    records = [r for r in writer.records if r["task_id"] in wanted]
+    summary = summarize_records(records)
+    task = TASK_NAMES.get(cfg.benchmark or "", cfg.stem.rsplit("_", 1)[0])
+    method = method_name(dec_cfg)
+    table = markdown_table(task, method, summary)
+    paths = {"jsonl": jsonl, "summary": os.path.join(cfg.out_dir, cfg.stem + ".summary.json"),
+             "table": os.path.join(cfg.out_dir, cfg.stem + ".md")}
+    summary.update({
+        "task": task, "method": method, "benchmark": cfg.benchmark, "data": cfg.data, "checkpoint": loaded.ckpt_dir,
+        "iteration": loaded.meta.get("iteration"), "decode_config": asdict(dec_cfg),
+        "max_new_tokens": cfg.max_new_tokens, "batch_size": cfg.batch_size, "prompt": pinfo, "run_key": run_key,
+        "accuracy_by_benchmark": aggregate(_scores_of(records)), "paths": paths,
+        "resumed": len(problems) - len(pending), "generated": len(pending),
+    })
+    atomic_write_text(paths["summary"], json.dumps(summary, indent=2, default=_json_default) + "\n")
+    atomic_write_text(paths["table"], table)
+    log("\n" + table)
+    ll = summary["lossless"]
+    log(f"[evaluate] speedup {summary['speedup']:.2f}x  TPF {summary['decoder']['tpf']:.2f} (AR "
+        f"{summary['ar']['tpf']:.2f})  acc {100 * summary['decoder']['accuracy']:.1f}% (AR "
+        f"{100 * summary['ar']['accuracy']:.1f}%)  lossless {ll['identical']}/{ll['checked']}  -> {cfg.out_dir}")
+    if ll["mismatched"] and cfg.strict_lossless:
+        raise LosslessViolation(f"{len(ll['mismatched'])} sample(s) where {method} greedy output != AR: "
+                                f"{ll['mismatched'][:10]} (see {jsonl})")
+    return summary
+
+
+def _scores_of(records: Sequence[dict]):
+    from .scoring import Score
+
+    return [Score(r["task_id"], r["benchmark"], bool(r["correct"]), r["status"]) for r in records]
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, (set, frozenset)):
+        return sorted(o)
+    raise TypeError(f"not JSON-serialisable: {type(o).__name__}")
