@@ -172,9 +172,9 @@ def _plots(out_dir, curves) -> None:
 
 
 def _trajectory_picture(pipe, out_dir, prompt, tok) -> None:
-    """Figure-4-style picture of one live Jacobi trajectory of the final model (if the tool is present)."""
-    tool = pipe.path("..").resolve()  # noqa: F841
-    try:
-        from megatron_jf.eval import visualize  # noqa: F401
-    except Exception:
-        pass
+    """Figure-4-style pictures of one live Jacobi trajectory, base vs final JF model (tools/visualize_trajectory.py)."""
+    text = tok.decode(prompt)
+    for label, ck in (("base", "base"), ("jf", "jf2")):
+        pipe.run(["tools/visualize_trajectory.py", "--load", pipe.path(ck), "--prompt", text, "--block-size",
+                  pipe.p.n2, "--max-new-tokens", min(pipe.p.response_tokens, 96),
+                  "--out", out_dir / f"trajectory_{label}"], "report")
