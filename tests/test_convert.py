@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO
+from tests.conftest import REPO
 
 TOOL = os.path.join(REPO, "tools", "convert_hf.py")
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import run_torchrun
+from tests.conftest import run_torchrun
 
 
 def _pair(family, tied, layers=2, seed=0):

@@ -1,0 +1,387 @@
+"""Request parsing and validation for ``PUT /api`` (Megatron) and ``/v1/completions``,
+``/v1/chat/completions`` (OpenAI).
+
+Every field a request may carry is either honoured or rejected with a :class:`RequestError`
+(HTTP 400, or 422 for a wrong type) that names the field; unknown fields are rejected too, so nothing
+is silently ignored. Decoder selection: an optional ``"jf"`` object,
+``{"decoder": "ar"|"jacobi"|"running-window"|"mr", "block_size": n, "num_blocks": K,
+"spawn_threshold": r, "verification_size": v, "ngram_pool_size": p, "draft_init": "context"|"repeat"}``;
+missing keys take the server default config's values (a different ``decoder`` alone keeps the
+default's parameters).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from megatron_jf.inference.engine import DecodeConfig
+from megatron_jf.inference.sampling import SamplingParams
+
+
+class RequestError(ValueError):
+    """A client error: HTTP ``status`` with a message naming ``field``."""
+
+    def __init__(self, field: str, message: str, status: int = 400):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = f"{field}: {message}"
+        self.status = status
+
+
+@dataclass
+class ParsedRequest:
+    """A validated request, in engine terms.
+
+    Attributes:
+        prompts: token ids per prompt (``/api`` may carry several; OpenAI endpoints one).
+        prompt_texts: the prompt strings (for Megatron's ``text`` = prompt + generation).
+        max_tokens: new-token cap per prompt.
+        config: decode config.
+        sampling: sampling params (seed ``0`` when none was given -- see ``seeded``).
+        seeded: the client gave a seed.
+        stop: stop strings.
+        extra_eos: extra stop token ids (Megatron ``stop_token``).
+        stream: SSE streaming (OpenAI endpoints).
+        include_usage: ``stream_options.include_usage``.
+        no_log: Megatron ``no_log`` (do not log the request).
+    """
+
+    prompts: list[list[int]]
+    prompt_texts: list[str]
+    max_tokens: int
+    config: DecodeConfig
+    sampling: SamplingParams
+    seeded: bool = False
+    stop: tuple[str, ...] = ()
+    extra_eos: frozenset = frozenset()
+    stream: bool = False
+    include_usage: bool = False
+    no_log: bool = False
+
+
+JF_FIELDS = {f.name: f.type for f in dataclasses.fields(DecodeConfig)}
+
+
+def _type_error(field, want, v):
+    return RequestError(field, f"must be {want}, got {type(v).__name__} {v!r}"[:300], status=422)
+
+
+def _int(body, key, default=None, *, lo=None, hi=None, field=None):
+    field = field or key
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        else:
+            raise _type_error(field, "an integer", v)
+    if lo is not None and v < lo:
+        raise RequestError(field, f"must be >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise RequestError(field, f"must be <= {hi}, got {v}")
+    return v
+
+
+def _float(body, key, default=None, *, field=None):
+    field = field or key
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _type_error(field, "a number", v)
+    v = float(v)
+    if not math.isfinite(v):
+        raise RequestError(field, f"must be finite, got {v}")
+    return v
+
+
+def _bool(body, key, default=False, *, field=None):
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _type_error(field or key, "a boolean", v)
+    return v
+
+
+def _check_unknown(body: dict, allowed: set[str]) -> None:
+    bad = sorted(set(body) - allowed)
+    if bad:
+        raise RequestError(bad[0], f"unknown or unsupported field (supported: {', '.join(sorted(allowed))})")
+
+
+def parse_decode_config(jf, default: DecodeConfig) -> DecodeConfig:
+    """The ``jf`` extension object -> :class:`DecodeConfig` (missing keys from ``default``).
+
+    Raises:
+        RequestError: ``jf`` is not an object, has an unknown key, a wrong type, or an invalid value
+            (unknown decoder, n < 1, K < 1, r outside (0, 1], ...), naming ``jf.<key>``.
+    """
+    if jf is None:
+        return default
+    if not isinstance(jf, dict):
+        raise _type_error("jf", "an object", jf)
+    kw = {}
+    for k, v in jf.items():
+        if k not in JF_FIELDS:
+            raise RequestError(f"jf.{k}", f"unknown decoder parameter (supported: {', '.join(JF_FIELDS)})")
+        want = JF_FIELDS[k]
+        if want in ("str", str):
+            if not isinstance(v, str):
+                raise _type_error(f"jf.{k}", "a string", v)
+        elif want in ("int", int):
+            v = _int(jf, k, field=f"jf.{k}")
+        else:
+            v = _float(jf, k, field=f"jf.{k}")
+        kw[k] = v
+    try:
+        return dataclasses.replace(default, **kw)
+    except ValueError as e:
+        msg = str(e)
+        field = next((f"jf.{k}" for k, words in (("decoder", "decoder"), ("draft_init", "draft init"),
+                                                  ("block_size", "block size"), ("num_blocks", "blocks K"),
+                                                  ("spawn_threshold", "threshold"),
+                                                  ("verification_size", "verification"))
+                      if words in msg), "jf")
+        raise RequestError(field, msg) from None
+
+
+def _sampling(temperature, top_k, top_p, seed) -> SamplingParams:
+    try:
+        return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    except ValueError as e:
+        msg = str(e)
+        field = "temperature" if "temperature" in msg else "top_k" if "top_k" in msg else "top_p"
+        raise RequestError(field, msg) from None
+
+
+def _stop_list(v, field="stop", max_n=16) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise _type_error(field, "a string or a list of strings", v)
+    if len(v) > max_n:
+        raise RequestError(field, f"at most {max_n} stop strings, got {len(v)}")
+    if any(s == "" for s in v):
+        raise RequestError(field, "stop strings must be non-empty")
+    return tuple(dict.fromkeys(v))
+
+
+def _check_context(prompt_len: int, max_tokens: int, max_context: int, prompt_field: str, max_field: str):
+    if prompt_len == 0:
+        raise RequestError(prompt_field, "the prompt is empty (no tokens)")
+    if prompt_len >= max_context:
+        raise RequestError(prompt_field, f"the prompt has {prompt_len} tokens; the context window is "
+                                         f"{max_context} tokens (at least one must be left to generate)")
+    if prompt_len + max_tokens > max_context:
+        raise RequestError(max_field, f"prompt ({prompt_len} tokens) + {max_field}={max_tokens} exceeds the "
+                                      f"context window of {max_context} tokens (at most "
+                                      f"{max_context - prompt_len})")
+
+
+# ---------------------------------------------------------------------------------------- Megatron
+MEGATRON_FIELDS = {"prompts", "tokens_to_generate", "temperature", "top_k", "top_p", "add_BOS", "stop_token",
+                   "stop", "random_seed", "logprobs", "no_log", "stop_on_eol", "stop_on_double_eol",
+                   "prevent_newline_after_colon", "beam_width", "length_penalty", "top_p_decay", "top_p_bound",
+                   "jf"}
+
+
+def parse_megatron(body, tokenizer, max_context: int, default: DecodeConfig, max_prompts: int = 128) -> ParsedRequest:
+    """Megatron ``PUT /api`` body -> :class:`ParsedRequest`.
+
+    Megatron semantics kept: ``tokens_to_generate`` (default 64, >= 1 here: prompt-only scoring is not
+    supported), ``temperature`` default 1.0 (0 = greedy), ``top_p`` 0 = off, ``add_BOS`` prepends the
+    tokenizer's BOS, ``stop_token`` is a token id that ends generation, ``random_seed`` seeds sampling
+    (prompt ``i`` uses ``random_seed + i``), ``stop_on_eol``/``stop_on_double_eol`` stop at
+    ``"\\n"``/``"\\n\\n"``. ``stop`` (list of strings) is an extension. Features the engine does not have
+    (``logprobs``, beam search, ``prevent_newline_after_colon``, top-p decay) are rejected when requested.
+
+    Raises:
+        RequestError: naming the offending field.
+    """
+    if not isinstance(body, dict):
+        raise _type_error("body", "a JSON object", body)
+    _check_unknown(body, MEGATRON_FIELDS)
+    if "prompts" not in body:
+        raise RequestError("prompts", "is required")
+    prompts = body["prompts"]
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise _type_error("prompts", "a list of strings", prompts)
+    if not prompts:
+        raise RequestError("prompts", "must hold at least one prompt")
+    if len(prompts) > max_prompts:
+        raise RequestError("prompts", f"at most {max_prompts} prompts per request, got {len(prompts)}")
+    n_new = _int(body, "tokens_to_generate", 64, lo=1)
+    temperature = _float(body, "temperature", 1.0)
+    top_k = _int(body, "top_k", 0)
+    top_p = _float(body, "top_p", 0.0)
+    if top_p == 0.0:
+        top_p = 1.0
+    seed = _int(body, "random_seed", None, lo=0, hi=2**31 - 1)
+    if _bool(body, "logprobs"):
+        raise RequestError("logprobs", "log-probabilities are not supported by this server")
+    if _bool(body, "prevent_newline_after_colon"):
+        raise RequestError("prevent_newline_after_colon", "is not supported by this server")
+    if _int(body, "beam_width", None) not in (None, 1):
+        raise RequestError("beam_width", "beam search is not supported by this server")
+    if _float(body, "length_penalty", 1.0) != 1.0:
+        raise RequestError("length_penalty", "is only meaningful with beam search, which is not supported")
+    if _float(body, "top_p_decay", 0.0) != 0.0:
+        raise RequestError("top_p_decay", "is not supported by this server")
+    if _float(body, "top_p_bound", 0.0) != 0.0:
+        raise RequestError("top_p_bound", "is not supported by this server")
+    stop = list(_stop_list(body.get("stop")))
+    if _bool(body, "stop_on_double_eol"):
+        stop.append("\n\n")
+    if _bool(body, "stop_on_eol"):
+        stop.append("\n")
+    extra = frozenset()
+    st = _int(body, "stop_token", None, lo=0)
+    if st is not None:
+        if st >= tokenizer.vocab_size:
+            raise RequestError("stop_token", f"token id {st} is outside the vocabulary [0, {tokenizer.vocab_size})")
+        extra = frozenset({st})
+    add_bos = _bool(body, "add_BOS")
+    if add_bos and tokenizer.bos_id is None:
+        raise RequestError("add_BOS", "the tokenizer has no BOS token")
+    sampling = _sampling(temperature, top_k, top_p, 0 if seed is None else seed)
+    config = parse_decode_config(body.get("jf"), default)
+    ids = []
+    for i, p in enumerate(prompts):
+        t = tokenizer.encode(p)
+        if add_bos:
+            t = [tokenizer.bos_id] + t
+        _check_context(len(t), n_new, max_context, f"prompts[{i}]", "tokens_to_generate")
+        ids.append(t)
+    return ParsedRequest(prompts=ids, prompt_texts=list(prompts), max_tokens=n_new, config=config,
+                         sampling=sampling, seeded=seed is not None, stop=tuple(dict.fromkeys(stop)),
+                         extra_eos=extra, no_log=_bool(body, "no_log"))
+
+
+# ---------------------------------------------------------------------------------------- OpenAI
+COMMON_OPENAI = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "stream",
+                 "stream_options", "user", "jf", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias"}
+COMPLETION_FIELDS = COMMON_OPENAI | {"prompt", "echo", "best_of", "suffix"}
+CHAT_FIELDS = COMMON_OPENAI | {"messages", "max_completion_tokens", "top_logprobs"}
+
+
+def _openai_common(body, model_name: str, default: DecodeConfig):
+    m = body.get("model")
+    if m is not None and m != model_name:
+        raise RequestError("model", f"unknown model {m!r}; this server serves {model_name!r}", status=404)
+    if not (body.get("user") is None or isinstance(body.get("user"), str)):
+        raise _type_error("user", "a string", body.get("user"))
+    n = _int(body, "n", 1)
+    if n != 1:
+        raise RequestError("n", f"only n=1 is supported, got {n}")
+    lp = body.get("logprobs")
+    if lp not in (None, False, 0):
+        raise RequestError("logprobs", "log-probabilities are not supported by this server")
+    for k in ("presence_penalty", "frequency_penalty"):
+        if _float(body, k, 0.0) != 0.0:
+            raise RequestError(k, "penalties are not supported by this server (must be 0)")
+    if body.get("logit_bias") not in (None, {}):
+        raise RequestError("logit_bias", "is not supported by this server")
+    temperature = _float(body, "temperature", 1.0)
+    top_p = _float(body, "top_p", 1.0)
+    top_k = _int(body, "top_k", 0)
+    seed = _int(body, "seed", None, lo=0, hi=2**31 - 1)
+    sampling = _sampling(temperature, top_k, top_p, 0 if seed is None else seed)
+    stream = _bool(body, "stream")
+    so = body.get("stream_options")
+    include_usage = False
+    if so is not None:
+        if not stream:
+            raise RequestError("stream_options", "is only allowed with stream=true")
+        if not isinstance(so, dict):
+            raise _type_error("stream_options", "an object", so)
+        _check_unknown({f"stream_options.{k}": v for k, v in so.items()}, {"stream_options.include_usage"})
+        include_usage = _bool(so, "include_usage", field="stream_options.include_usage")
+    stop = _stop_list(body.get("stop"))
+    config = parse_decode_config(body.get("jf"), default)
+    return dict(sampling=sampling, seeded=seed is not None, stream=stream, include_usage=include_usage,
+                stop=stop, config=config)
+
+
+def parse_completion(body, tokenizer, max_context: int, model_name: str, default: DecodeConfig) -> ParsedRequest:
+    """``POST /v1/completions`` body -> :class:`ParsedRequest`. ``prompt``: a string, a list with one
+    string, or a list of token ids. ``max_tokens`` default 16 (as OpenAI).
+
+    Raises:
+        RequestError: naming the offending field.
+    """
+    if not isinstance(body, dict):
+        raise _type_error("body", "a JSON object", body)
+    _check_unknown(body, COMPLETION_FIELDS)
+    if "prompt" not in body or body["prompt"] is None:
+        raise RequestError("prompt", "is required")
+    if _bool(body, "echo"):
+        raise RequestError("echo", "is not supported by this server")
+    if _int(body, "best_of", 1) != 1:
+        raise RequestError("best_of", "only best_of=1 is supported")
+    if body.get("suffix") not in (None, ""):
+        raise RequestError("suffix", "is not supported by this server")
+    c = _openai_common(body, model_name, default)
+    p = body["prompt"]
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+        p = p[0]
+    if isinstance(p, str):
+        text, ids = p, tokenizer.encode(p)
+    elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        if any(t < 0 or t >= tokenizer.vocab_size for t in p):
+            raise RequestError("prompt", f"token ids must be in [0, {tokenizer.vocab_size})")
+        ids, text = list(p), tokenizer.decode(p)
+    elif isinstance(p, list) and len(p) > 1 and all(isinstance(t, str) for t in p):
+        raise RequestError("prompt", "only one prompt per request is supported")
+    else:
+        raise _type_error("prompt", "a string or a list of token ids", p)
+    max_tokens = _int(body, "max_tokens", 16, lo=1)
+    _check_context(len(ids), max_tokens, max_context, "prompt", "max_tokens")
+    return ParsedRequest(prompts=[ids], prompt_texts=[text], max_tokens=max_tokens, **c)
+
+
+def parse_chat(body, tokenizer, max_context: int, model_name: str, default: DecodeConfig) -> ParsedRequest:
+    """``POST /v1/chat/completions`` body -> :class:`ParsedRequest` (the tokenizer's chat template is
+    applied with a generation prompt). ``max_tokens``/``max_completion_tokens`` default: the rest of
+    the context window.
+
+    Raises:
+        RequestError: naming the offending field.
+    """
+    if not isinstance(body, dict):
+        raise _type_error("body", "a JSON object", body)
+    _check_unknown(body, CHAT_FIELDS)
+    if body.get("top_logprobs") is not None:
+        raise RequestError("top_logprobs", "log-probabilities are not supported by this server")
+    msgs = body.get("messages")
+    if msgs is None:
+        raise RequestError("messages", "is required")
+    if not isinstance(msgs, list) or not msgs:
+        raise RequestError("messages", "must be a non-empty list of {role, content} objects")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise RequestError(f"messages[{i}]", "must be an object with string 'role' and 'content'")
+        extra = set(m) - {"role", "content", "name"}
+        if extra:
+            raise RequestError(f"messages[{i}].{sorted(extra)[0]}", "unsupported message field")
+    c = _openai_common(body, model_name, default)
+    try:
+        text = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in msgs])
+    except ValueError as e:
+        raise RequestError("messages", str(e)) from None
+    ids = tokenizer.encode(text)
+    if "max_tokens" in body and "max_completion_tokens" in body:
+        raise RequestError("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
+    key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    max_tokens = _int(body, key, None, lo=1)
+    if max_tokens is None:
+        if len(ids) >= max_context:
+            _check_context(len(ids), 1, max_context, "messages", key)
+        max_tokens = max_context - len(ids)
+    _check_context(len(ids), max_tokens, max_context, "messages", key)
+    return ParsedRequest(prompts=[ids], prompt_texts=[text], max_tokens=max_tokens, **c)
