@@ -210,3 +210,29 @@ def test_metrics_summary_values():
     assert s["tps"] == 16 / 3.0 and s["tps_e2e"] == 16 / 4.0
     assert s["latency_p50_s"] == 2.0 and abs(s["latency_p95_s"] - 2.9) < 1e-9
     assert percentile([1, 2, 3, 4], 50) == 2.5
+
+
+@pytest.mark.parametrize("max_new,n", [(3, 2), (8, 4), (11, 4), (45, 16)])
+def test_trajectory_fixed_points_cover_output(models, max_new, n):
+    """Concatenated block fixed points equal the output, even when the last forward crosses a block end."""
+    from megatron_jf.inference.engine import DecodeConfig
+
+    for name, init in (("peaked-1", "repeat"), ("qwen2-random", "context")):
+        _, eng = models[name]
+        for r in eng.generate(_prompts(7), DecodeConfig("jacobi", block_size=n, draft_init=init),
+                              max_new_tokens=max_new, record_trajectory=True):
+            fps = [t for b in r.trajectory for t in b["fixed_point"]]
+            assert fps == r.tokens
+            for b in r.trajectory:
+                assert all(len(d) == len(b["fixed_point"]) <= n for d in b["drafts"])
+
+
+def test_draft_init_does_not_depend_on_batch_position(models):
+    from megatron_jf.inference.engine import DecodeConfig
+
+    _, eng = models["qwen2-random"]
+    p = _prompts(8)
+    cfg = DecodeConfig("jacobi", block_size=8)
+    a = eng.generate(p, cfg, max_new_tokens=20, record_trajectory=True)
+    b = eng.generate(p[::-1], cfg, max_new_tokens=20, record_trajectory=True)[::-1]
+    assert [x.trajectory for x in a] == [x.trajectory for x in b]

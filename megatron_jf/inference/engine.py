@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import math
 import random
+import struct
+import zlib
 import time
 from dataclasses import dataclass, field
 
@@ -248,7 +250,8 @@ class Engine:
     # ------------------------------------------------------------------ rows
     def _new_row(self, i, prompt, cfg, sampling, record):
         r = _Row(idx=i, prompt=list(prompt), last=prompt[-1])
-        r.rng = random.Random(sampling.seed * 1000003 + i)
+        # draft initialisation depends on the prompt and seed only, not on the batch it runs in
+        r.rng = random.Random(zlib.crc32(struct.pack(f"<q{len(prompt)}q", sampling.seed, *prompt)))
         if not sampling.greedy:
             r.gen = torch.Generator().manual_seed(sampling.seed + i)
         n = cfg.block_size
@@ -463,17 +466,22 @@ class Engine:
 
 
 def _close_trajectory(r: _Row, n: int) -> None:
-    """Give the last (possibly partial) block its fixed point; cut its drafts to the same columns."""
+    """Give the last (possibly partial) block its fixed point (drafts cut to the same columns); tokens emitted
+    past it by the final forward (a bonus token crossing the block end) become one more block whose only
+    draft is those known tokens."""
     blk = r.traj[-1]
-    if "fixed_point" in blk:
-        return
-    start = blk["context_len"] - len(r.prompt)
-    fp = r.out[start: start + n]
-    if not fp:
-        r.traj.pop()
-        return
-    blk["fixed_point"] = fp
-    blk["drafts"] = [d[: len(fp)] for d in blk["drafts"]]
+    if "fixed_point" not in blk:
+        start = blk["context_len"] - len(r.prompt)
+        fp = r.out[start: start + n]
+        if fp:
+            blk["fixed_point"] = fp
+            blk["drafts"] = [d[: len(fp)] for d in blk["drafts"]]
+        else:
+            r.traj.pop()
+    covered = (r.traj[-1]["context_len"] - len(r.prompt) + len(r.traj[-1]["fixed_point"])) if r.traj else 0
+    if covered < len(r.out):
+        extra = r.out[covered:covered + n]
+        r.traj.append({"context_len": len(r.prompt) + covered, "drafts": [list(extra)], "fixed_point": list(extra)})
 
 
 def _matches(draft: list[int], g: list[int]) -> int:
