@@ -30,7 +30,7 @@ from torch.utils.data import IterableDataset
 
 from .schedule import derive_seed
 
-__all__ = ["TextSample", "TokenChunkDataset", "collate_text", "load_token_stream"]
+__all__ = ["TextSample", "TextBatch", "TokenChunkDataset", "collate_text", "load_token_stream"]
 
 
 @dataclass

@@ -1,0 +1,245 @@
+"""Attention paths for the packed Jacobi Forcing sequence (paper Sec. 3.1 / 4.1, Table 5).
+
+A packed sample is ``[prompt, noisy B_1, clean B_1, ..., noisy B_N, clean B_N]`` with both copies of a
+block at the same position ids (:mod:`megatron_jf.data.packing`). Which keys a query may see is set by
+the mask kind (:mod:`megatron_jf.data.masks`): ``nc`` (noise-conditioned, the paper's), ``nc_ic``
+(NC with intra-window clean context, Table 5) or ``clean`` (CLLM clean context).
+
+Paths (``--attention-path``):
+
+* ``two_stream`` (default; ``nc`` only): under the ``nc`` mask the packed sequence is *exactly* two
+  ordinary causal sequences that share position ids -- ``prompt + noisy blocks`` and ``prompt + clean
+  blocks`` (reference report Sec. 5.5). They run as ``2B`` rows of a plain causal batch
+  (``attention_mask=None``, stock causal kernels; the prompt is computed twice). Rows ``0..B-1`` are the
+  noisy streams, rows ``B..2B-1`` the clean streams.
+* ``dense``: the packed sequence itself with an explicit ``[B, 1, L, L]`` boolean mask from
+  :func:`megatron_jf.data.masks.dense_mask_from_layout`, converted to megatron's convention
+  (**True = masked out**). Works for every mask kind (``nc`` as a reference for the two-stream path);
+  memory ``O(B L^2)`` bytes for the mask plus ``O(B h L^2)`` scores in SDPA's math path.
+* ``flex``: not implemented. On CPU FlexAttention is slower than SDPA with a dense boolean mask
+  (measured, torch 2.13, ``[4, 8, 320, 32]``, 1 thread: eager 84 ms, ``torch.compile`` 12 ms, SDPA with
+  the dense mask 5.5 ms), and the core attention (``megatron_jf.models.attention``) has no ``BlockMask``
+  mode. TODO(GPU): route ``nc_ic``/``clean`` through FlexAttention or Transformer Engine's
+  arbitrary-mask attention (``AttnMaskType.arbitrary``) in the core attention.
+
+Everything that depends on the data (gather indices of the consistency pairs and AR positions) is
+computed on the CPU in :func:`build_jf_batch`, so the training step only does index gathers -- no
+per-token Python loops and no host synchronisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Sequence
+
+import torch
+
+from megatron_jf.data.dataset import collate_packed, collate_two_stream
+from megatron_jf.data.masks import MASK_KINDS, dense_mask_from_layout
+from megatron_jf.data.packing import IGNORE_INDEX, PackedSample
+from megatron_jf.training.losses import JFLossInputs
+
+__all__ = ["PATHS", "JFBatch", "build_jf_batch", "forward_model", "gather_jf_logits", "jf_forward"]
+
+PATHS = ("two_stream", "dense", "flex")
+
+
+@dataclass
+class JFBatch:
+    """One collated microbatch, ready for the model and the loss.
+
+    Shapes: ``R`` model rows (``2B`` for two-stream, ``B`` for dense), ``S`` padded row length,
+    ``C`` consistency pairs, ``M`` AR positions, ``B`` samples. Flat indices index the model output
+    viewed as ``[R * S, V_local]``.
+
+    Attributes:
+        tokens: int64 ``[R, S]`` model input.
+        position_ids: int64 ``[R, S]`` RoPE positions.
+        attention_mask: ``None`` (causal) or bool ``[R, 1, S, S]``, True = masked out (megatron).
+        student_index: int64 ``[C]`` flat index of each noisy (student) position.
+        teacher_index: int64 ``[C]`` flat index of the paired clean (teacher) position.
+        pc_targets: int64 ``[C]`` fixed-point token predicted at both positions.
+        pair_sample: int64 ``[C]``; pair_block: int64 ``[C]`` (sample, block) of each pair.
+        ar_index: int64 ``[M]`` flat index of clean positions with an AR target.
+        ar_targets: int64 ``[M]``; ar_sample: int64 ``[M]``.
+        num_blocks: int64 ``[B]`` (each >= 1).
+        num_tokens: real (non-padding) model-input tokens.
+        max_blocks: ``max(num_blocks)`` (host int, so the loss needs no device sync).
+        path, mask: the attention path and mask kind.
+        sample_ids: the samples' ids.
+    """
+
+    tokens: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    student_index: torch.Tensor
+    teacher_index: torch.Tensor
+    pc_targets: torch.Tensor
+    pair_sample: torch.Tensor
+    pair_block: torch.Tensor
+    ar_index: torch.Tensor
+    ar_targets: torch.Tensor
+    ar_sample: torch.Tensor
+    num_blocks: torch.Tensor
+    num_tokens: int
+    max_blocks: int
+    path: str
+    mask: str
+    sample_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.num_blocks.shape[0])
+
+    def to(self, device) -> "JFBatch":
+        """A copy with every tensor on ``device`` (non-blocking)."""
+        kw = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            kw[f.name] = v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+        return JFBatch(**kw)
+
+
+def _check_args(path: str, mask: str) -> None:
+    if path not in PATHS:
+        raise ValueError(f"unknown attention path {path!r}; expected one of {PATHS}")
+    if mask not in MASK_KINDS:
+        raise ValueError(f"unknown mask {mask!r}; expected one of {MASK_KINDS}")
+    if path == "flex":
+        raise NotImplementedError(
+            "attention path 'flex' is not implemented: use 'dense' (any mask) or 'two_stream' (nc). "
+            "TODO: FlexAttention / Transformer Engine arbitrary-mask attention in the core attention for GPU")
+    if path == "two_stream" and mask != "nc":
+        raise ValueError(f"the two-stream path is exact only for the 'nc' mask, not {mask!r}; "
+                         "use --attention-path dense for nc_ic / clean")
+
+
+def build_jf_batch(samples: Sequence[PackedSample], *, path: str = "two_stream", mask: str = "nc",
+                   window_size: int | None = None, pad_id: int = 0, pad_to: int | None = None,
+                   max_len: int | None = None, pad_to_multiple_of: int = 1, max_position: int | None = None,
+                   vocab_size: int | None = None) -> JFBatch:
+    """Collate packed samples for ``path``/``mask`` and precompute all loss gather indices (CPU).
+
+    Args:
+        samples: packed samples (:func:`megatron_jf.data.packing.pack_record`).
+        path: ``"two_stream"`` | ``"dense"`` (``"flex"`` raises NotImplementedError).
+        mask: ``"nc"`` | ``"nc_ic"`` | ``"clean"``.
+        window_size: ``w`` for ``nc_ic`` (the noise-schedule window).
+        pad_id: token id used for padding (never attended by real tokens, never a target).
+        pad_to: pad every row to exactly this length (required for pipeline parallelism, whose
+            p2p buffers have a fixed shape).
+        max_len: longest allowed model-input row (two-stream: ``P + R``; dense: ``P + 2R``).
+        pad_to_multiple_of: round the row length up (when ``pad_to`` is None).
+        max_position: the model's context (max_position_embeddings); positions must stay below it.
+        vocab_size: if given, every token id must be below it.
+
+    Returns:
+        :class:`JFBatch` on CPU.
+
+    Raises:
+        ValueError: empty batch, unknown path/mask, ``two_stream`` with a mask other than ``nc``,
+            a sample longer than ``max_len``/``pad_to`` or than the model's context, or token ids
+            outside the vocabulary (each naming the sample).
+        NotImplementedError: ``path="flex"``.
+    """
+    _check_args(path, mask)
+    if not samples:
+        raise ValueError("cannot build a batch from zero samples")
+    for s in samples:
+        P, L = s.prompt_len, len(s)
+        row = (L + P) // 2 if path == "two_stream" else L
+        if max_position is not None and int(s.position_ids.max()) >= max_position:
+            raise ValueError(f"sample {s.sample_id!r}: prompt + response = {int(s.position_ids.max()) + 1} tokens "
+                             f"exceeds the model's context of {max_position} positions")
+        limit = pad_to if pad_to is not None else max_len
+        if limit is not None and row > limit:
+            raise ValueError(f"sample {s.sample_id!r}: model-input length {row} ({path} path; prompt {P}, "
+                             f"response {(L - P) // 2}) exceeds the sequence length {limit}")
+        if vocab_size is not None and int(s.tokens.max()) >= vocab_size:
+            raise ValueError(f"sample {s.sample_id!r}: token id {int(s.tokens.max())} >= vocabulary size {vocab_size}")
+        if int(s.tokens.min()) < 0:
+            raise ValueError(f"sample {s.sample_id!r}: negative token id {int(s.tokens.min())}")
+    mult = 1 if pad_to is not None else pad_to_multiple_of
+    B = len(samples)
+    if path == "two_stream":
+        col = collate_two_stream(samples, pad_id, mode="pad", max_len=pad_to, pad_to_multiple_of=mult)
+        R, S = col["tokens"].shape
+        b, j = torch.nonzero(col["consistency_mask"], as_tuple=True)  # ordered by (sample, position)
+        student = b * S + j
+        teacher = (b + B) * S + j
+        clean_ar = col["ar_targets"][B:]
+        pc_targets = clean_ar[b, j]
+        pair_block = col["block_ids"][B:][b, j]
+        ar_b, ar_j = torch.nonzero(clean_ar != IGNORE_INDEX, as_tuple=True)
+        ar_index = (ar_b + B) * S + ar_j
+        ar_targets = clean_ar[ar_b, ar_j]
+        attn = None
+        pair_sample = b
+    else:
+        col = collate_packed(samples, pad_id, mode="pad", max_len=pad_to, pad_to_multiple_of=mult)
+        R, S = col["tokens"].shape
+        cp = col["consistency_pairs"]  # [C, 3] (row, noisy col, clean col)
+        pair_sample = cp[:, 0]
+        student = cp[:, 0] * S + cp[:, 1]
+        teacher = cp[:, 0] * S + cp[:, 2]
+        pc_targets = col["ar_targets"][cp[:, 0], cp[:, 2]]
+        pair_block = col["block_ids"][cp[:, 0], cp[:, 2]]
+        ar_b, ar_j = torch.nonzero(col["ar_targets"] != IGNORE_INDEX, as_tuple=True)
+        ar_index = ar_b * S + ar_j
+        ar_targets = col["ar_targets"][ar_b, ar_j]
+        allowed = dense_mask_from_layout(mask, col["roles"], col["block_ids"],
+                                         window_size=window_size if mask == "nc_ic" else None)
+        attn = (~allowed).unsqueeze(1)  # [B, 1, L, L], True = masked out
+    if bool((pc_targets == IGNORE_INDEX).any()):
+        raise ValueError("a consistency pair sits at a clean position without an AR target (corrupt packing)")
+    return JFBatch(
+        tokens=col["tokens"], position_ids=col["position_ids"], attention_mask=attn,
+        student_index=student, teacher_index=teacher, pc_targets=pc_targets, pair_sample=pair_sample,
+        pair_block=pair_block, ar_index=ar_index, ar_targets=ar_targets, ar_sample=ar_b,
+        num_blocks=col["num_blocks"], num_tokens=int(col["valid"].sum()),
+        max_blocks=int(col["num_blocks"].max()), path=path, mask=mask,
+        sample_ids=list(col["sample_ids"]),
+    )
+
+
+def forward_model(model, batch: JFBatch) -> torch.Tensor:
+    """Run ``model`` (any wrapper of :class:`~megatron_jf.models.gpt.JFGPTModel`) on the batch.
+
+    Returns:
+        On the last pipeline stage, vocab-parallel logits ``[R, S, V_local]``; on other stages the
+        hidden states for the next stage.
+    """
+    return model(batch.tokens, batch.position_ids, batch.attention_mask, runtime_gather_output=False)
+
+
+def gather_jf_logits(logits: torch.Tensor, batch: JFBatch, vocab_size: int | None) -> JFLossInputs:
+    """Pick the loss positions out of the model output (index gathers, no loops).
+
+    Args:
+        logits: ``[R, S, V_local]`` from :func:`forward_model` on the last stage.
+
+    Returns:
+        :class:`~megatron_jf.training.losses.JFLossInputs` with the teacher logits detached.
+    """
+    flat = logits.reshape(-1, logits.shape[-1])
+    return JFLossInputs(
+        student_logits=flat.index_select(0, batch.student_index),
+        teacher_logits=flat.index_select(0, batch.teacher_index).detach(),
+        pc_targets=batch.pc_targets,
+        pair_sample=batch.pair_sample,
+        pair_block=batch.pair_block,
+        ar_logits=flat.index_select(0, batch.ar_index),
+        ar_targets=batch.ar_targets,
+        ar_sample=batch.ar_sample,
+        num_blocks=batch.num_blocks,
+        vocab_size=vocab_size,
+        max_blocks=batch.max_blocks,
+    )
+
+
+def jf_forward(model, batch: JFBatch) -> JFLossInputs:
+    """Forward ``batch`` through ``model`` (single pipeline stage) and return the loss inputs:
+    student logits at the consistency positions, detached teacher logits, AR logits and targets."""
+    from megatron_jf.models.gpt import unwrap
+
+    return gather_jf_logits(forward_model(model, batch), batch, unwrap(model).vocab_size_unpadded)

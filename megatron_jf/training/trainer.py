@@ -1,0 +1,941 @@
+"""The training loop: megatron-core pipeline schedules, data/tensor/pipeline parallelism, exact resume.
+
+This is the core behind ``pretrain_jf.py`` (Megatron-LM's ``pretrain_gpt.py`` contract, paper Sec. 3.1):
+the entry point supplies ``model_provider``, ``forward_step`` and ``train_valid_datasets_provider`` and
+calls :func:`pretrain` with a :class:`TrainConfig` (no global mutable arguments).
+
+What a step does
+    ``get_forward_backward_func()`` (megatron-core: no pipelining, or 1F1B over ``--pp`` stages) runs
+    ``num_microbatches = global_batch / (micro_batch * dp)`` microbatches through ``forward_step``; the
+    loss function returns ``(loss_sum, count, report)`` so the schedule averages over samples (JF) or
+    tokens (AR). Then gradients are synchronised over data parallelism, clipped by their global norm,
+    and the optimizer steps with the learning rate of a cosine schedule with linear warmup.
+
+Optimizers (``--use-megatron-optimizer``, automatic: on with CUDA, off without)
+    * **CPU path** (megatron's optimizer hard-codes CUDA, ``shared/research/mcore_cpu.md`` Sec. 4):
+      ``torch.optim.AdamW``, fp32 weights. Data parallelism: ``torch.nn.parallel.DistributedDataParallel``
+      over the DP group (gloo) with ``no_sync`` across microbatches when ``pp == 1``. With ``pp > 1``
+      megatron's 1F1B schedule runs the last microbatch's *forward* inside ``no_sync`` (megatron's own DDP
+      reduces explicitly in ``finish_grad_sync``), so torch DDP would never reduce; there the gradients
+      are all-reduced over the DP group explicitly after the schedule. Gradient-norm clipping is
+      tensor-parallel aware: squares of TP-sharded parameters are summed over the model-parallel group,
+      replicated parameters (RMSNorm weights) and the pipeline-tied output embedding are counted once.
+    * **GPU path**: megatron-core ``DistributedDataParallel`` + ``get_megatron_optimizer`` (bf16 with fp32
+      main weights, optional ``--use-distributed-optimizer``), megatron's ``finalize_model_grads``.
+      Not exercised by the CPU test-suite.
+
+Checkpoints (:mod:`megatron_jf.checkpointing`, atomic)
+    model + optimizer state (sharded; reshardable across TP/PP on the CPU path) + per-rank RNG states
+    (sharded objects) + ``common``: iteration, data position (epoch, samples consumed), the config.
+    A run started with ``--save DIR`` that finds a checkpoint in ``DIR`` resumes from the newest one
+    exactly: the remaining steps see the same data, learning rates, optimizer state and weights as an
+    uninterrupted run, so they produce identical losses. ``--load`` initialises the weights only
+    (e.g. a checkpoint converted with ``tools/convert_hf.py``) and starts at iteration 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_jf import parallel, platform
+from megatron_jf.training.losses import CONSISTENCY_LOSSES, METRIC_KEYS, PC_NORMALIZATIONS, LossConfig
+
+__all__ = [
+    "TrainConfig",
+    "DatasetSpec",
+    "MicrobatchStream",
+    "Trainer",
+    "build_parser",
+    "parse_config",
+    "pretrain",
+    "lr_at",
+    "clip_grad_norm_tp",
+    "effective_seq_length",
+]
+
+OBJECTIVES = ("jf", "ar")
+ATTENTION_PATHS = ("two_stream", "dense", "flex")
+MASKS = ("nc", "nc_ic", "clean")
+NOISE_SCHEDULES = ("progressive", "reverse", "random")
+CONSISTENCY_POSITIONS = ("all", "from_first_diff")
+PRECISIONS = ("auto", "fp32", "bf16")
+#: Fault injection for tests: SIGKILL the process right after this (1-based) step, before any save.
+FAULT_ENV = "MEGATRON_JF_FAULT_KILL_AT_STEP"
+
+
+# ============================================================================ configuration
+@dataclass
+class TrainConfig:
+    """Every knob of a training run, grouped by concern (the CLI mirrors the groups).
+
+    Defaults marked *reference* come from the official Jacobi Forcing training scripts
+    (``shared/research/jf_reference.md`` Sec. 6.4: AdamW betas (0.9, 0.95), eps 1e-8, effective weight
+    decay 0.01, LR 1e-5 for n=32, cosine schedule with 3% warmup, block size 32, window 16).
+    """
+
+    # --- parallelism / runtime
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size (data-parallel size = world / (tp * pp))."""
+    use_megatron_optimizer: bool | None = None
+    """megatron DDP + optimizer (GPU only); None = on iff CUDA is available."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over DP (megatron DistributedOptimizer; GPU path only)."""
+    precision: str = "auto"
+    """``auto`` (bf16 on GPU with the megatron optimizer, else fp32) | ``fp32`` | ``bf16``."""
+    threads: int | None = None
+    """torch intra-op threads per process (CPU); None keeps torch's default."""
+    seed: int = 1234
+    """Seed of weight init (from scratch), data order and the random noise schedule."""
+
+    # --- model
+    hf_config: str | None = None
+    """Directory with an HF ``config.json``: the architecture for training from scratch."""
+    load: str | None = None
+    """Checkpoint to initialise the weights from (e.g. converted with tools/convert_hf.py)."""
+
+    # --- data
+    objective: str = "jf"
+    """``jf`` (trajectory shards) | ``ar`` (next-token on token data)."""
+    data: list[str] = field(default_factory=list)
+    """Training data: shard dirs/globs/manifests (jf) or token files (ar)."""
+    valid_data: list[str] | None = None
+    """Held-out data in the same format."""
+    block_size: int | None = None
+    """``n``: the block size the shards must have (jf; required)."""
+    window_size: int = 16
+    """Noise-schedule window ``w`` (paper Eq. 7; reference 16 for n=32); also the NC-IC window."""
+    noise_schedule: str = "progressive"
+    """``progressive`` (paper Eq. 7) | ``reverse`` | ``random``."""
+    consistency_positions: str = "all"
+    """``all`` pairs every (block, offset) | ``from_first_diff`` (reference: offsets from the first noisy token)."""
+    seq_length: int | None = None
+    """Model-input row length. jf: maximum (two-stream ``P+R``, dense ``P+2R``), padded to it when pp > 1;
+    default the model context (dense: twice it). ar: tokens per sample (required)."""
+    tokenizer: str | None = None
+    """Tokenizer directory (ar objective with JSONL text)."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (0 = read in the training process)."""
+
+    # --- JF objective
+    attention_path: str = "two_stream"
+    """``two_stream`` (nc only, causal kernels) | ``dense`` (explicit mask) | ``flex`` (not implemented)."""
+    mask: str = "nc"
+    """``nc`` (paper) | ``nc_ic`` (Table 5) | ``clean`` (CLLM)."""
+    consistency_loss: str = "kl"
+    """``kl`` (paper Eq. 8) | ``soft_ce`` (reference code) | ``hard`` (CE on fixed-point tokens)."""
+    kl_temperature: float = 1.0
+    """Softmax temperature of the consistency loss (reference effective value 1)."""
+    pc_weight: float = 1.0
+    """Weight of L_pc."""
+    ar_weight: float = 1.0
+    """Weight ``w`` of L_AR (paper Eq. 9; reference code uses 10)."""
+    pc_normalization: str = "paper"
+    """``paper`` (per-block mean, then 1/N over blocks) | ``reference`` (mean over positions / N)."""
+
+    # --- optimisation
+    micro_batch_size: int = 1
+    """Samples per microbatch per DP rank (reference: 1)."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step over all DP ranks; default micro_batch_size * dp."""
+    lr: float = 1e-5
+    """Peak learning rate (reference n=32 stage: 1e-5; n=64 stage: 1e-6)."""
+    min_lr: float = 0.0
+    """Final learning rate of the cosine decay (reference: 0)."""
+    warmup_steps: int | None = None
+    """Linear warmup steps; default ceil(3% of train_steps) (reference)."""
+    train_steps: int = 0
+    """Optimizer steps to train (required)."""
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay on matrices (not biases/norms) (reference effective 0.01)."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables; HF Trainer default used by the reference)."""
+
+    # --- checkpointing
+    save: str | None = None
+    """Checkpoint directory: saved every save_interval steps and at the end; resumed from if it holds one."""
+    save_interval: int | None = None
+    keep_last: int | None = None
+    """Keep only this many newest checkpoints."""
+    exit_interval: int | None = None
+    """Stop (after saving) once the iteration is a multiple of this."""
+
+    # --- logging / validation
+    log_interval: int = 10
+    eval_interval: int | None = None
+    eval_iters: int | None = None
+    """Validation microbatches per evaluation (default: the whole validation set)."""
+    log_file: str | None = None
+    """Append one JSON line per log/eval event (rank 0)."""
+    tensorboard_dir: str | None = None
+    """TensorBoard event directory (only if ``tensorboard`` is installed)."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+
+    # ------------------------------------------------------------------------------------------
+    def loss_config(self) -> LossConfig:
+        return LossConfig(consistency_loss=self.consistency_loss, temperature=self.kl_temperature,
+                          pc_weight=self.pc_weight, ar_weight=self.ar_weight,
+                          pc_normalization=self.pc_normalization)
+
+    def validate(self) -> "TrainConfig":
+        """Check values that do not need the data or the model.
+
+        Raises:
+            ValueError: naming the offending option.
+        """
+        def need(cond, msg):
+            if not cond:
+                raise ValueError(msg)
+
+        need(self.tp >= 1 and self.pp >= 1, f"--tp and --pp must be >= 1, got {self.tp}, {self.pp}")
+        need(self.objective in OBJECTIVES, f"--objective must be one of {OBJECTIVES}")
+        need(bool(self.data), "--data is required")
+        need(self.train_steps >= 1, f"--train-steps must be >= 1, got {self.train_steps}")
+        need(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
+        need(self.global_batch_size is None or self.global_batch_size >= 1, "--global-batch-size must be >= 1")
+        need(self.lr > 0 and 0 <= self.min_lr <= self.lr, f"need 0 <= --min-lr <= --lr and --lr > 0 "
+             f"(got lr={self.lr}, min_lr={self.min_lr})")
+        need(self.warmup_steps is None or 0 <= self.warmup_steps <= self.train_steps,
+             f"--warmup-steps must be in [0, --train-steps], got {self.warmup_steps}")
+        need(self.weight_decay >= 0 and self.clip_grad >= 0, "--weight-decay and --clip-grad must be >= 0")
+        need(self.precision in PRECISIONS, f"--precision must be one of {PRECISIONS}")
+        need(self.window_size >= 1, f"--window-size must be >= 1, got {self.window_size}")
+        need(self.noise_schedule in NOISE_SCHEDULES, f"--noise-schedule must be one of {NOISE_SCHEDULES}")
+        need(self.consistency_positions in CONSISTENCY_POSITIONS,
+             f"--consistency-positions must be one of {CONSISTENCY_POSITIONS}")
+        need(self.attention_path in ATTENTION_PATHS, f"--attention-path must be one of {ATTENTION_PATHS}")
+        need(self.mask in MASKS, f"--mask must be one of {MASKS}")
+        need(self.num_workers >= 0, "--num-workers must be >= 0")
+        need(self.log_interval >= 1, "--log-interval must be >= 1")
+        for name in ("save_interval", "eval_interval", "exit_interval", "keep_last", "eval_iters", "threads"):
+            v = getattr(self, name)
+            need(v is None or v >= 1, f"--{name.replace('_', '-')} must be >= 1, got {v}")
+        need(self.save_interval is None or self.save is not None, "--save-interval needs --save")
+        need(self.eval_interval is None or self.valid_data, "--eval-interval needs --valid-data")
+        need(self.seq_length is None or self.seq_length >= 1, "--seq-length must be >= 1")
+        if self.objective == "jf":
+            need(self.block_size is not None and self.block_size >= 1,
+                 "--block-size is required for --objective jf (the block size n of the trajectory shards)")
+            if self.attention_path == "flex":
+                raise NotImplementedError("--attention-path flex is not implemented (use dense or two_stream); "
+                                          "TODO: FlexAttention / TE arbitrary-mask attention on GPU")
+            need(not (self.attention_path == "two_stream" and self.mask != "nc"),
+                 f"--attention-path two_stream is exact only for --mask nc (got --mask {self.mask}); "
+                 "use --attention-path dense")
+            self.loss_config()  # validates the loss options
+        else:
+            need(self.seq_length is not None, "--seq-length is required for --objective ar")
+        need(self.hf_config or self.load or self.save,
+             "no model: give --hf-config (from scratch), --load (a checkpoint) or --save with a checkpoint to resume")
+        return self
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``pretrain_jf.py`` command line (unknown options are an argparse error)."""
+    d = TrainConfig()
+    p = argparse.ArgumentParser(
+        prog="pretrain_jf.py",
+        description="Jacobi Forcing training on megatron-core (paper arXiv 2512.14681, Sec. 3.1).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+
+    def opt_bool(g, name, help):
+        g.add_argument(name, action=argparse.BooleanOptionalAction, default=None, help=help)
+
+    g = p.add_argument_group("parallelism and runtime")
+    g.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size")
+    g.add_argument("--pp", type=int, default=d.pp, help="pipeline-parallel size")
+    opt_bool(g, "--use-megatron-optimizer", "megatron DDP + optimizer (default: on iff CUDA)")
+    g.add_argument("--use-distributed-optimizer", action="store_true", help="shard optimizer state over DP (GPU)")
+    g.add_argument("--precision", choices=PRECISIONS, default=d.precision, help="weights/activations dtype")
+    g.add_argument("--threads", type=int, default=None, help="torch threads per process (CPU)")
+    g.add_argument("--seed", type=int, default=d.seed, help="seed for init, data order and noise")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--hf-config", default=None, help="HF directory with config.json (train from scratch)")
+    g.add_argument("--load", default=None, help="checkpoint to initialise the weights from")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--objective", choices=OBJECTIVES, default=d.objective, help="jf: trajectories; ar: next-token")
+    g.add_argument("--data", nargs="+", required=True, help="training shards (dir/glob/manifest) or token files")
+    g.add_argument("--valid-data", nargs="+", default=None, help="held-out data, same format")
+    g.add_argument("--block-size", type=int, default=None, help="block size n of the shards (jf, required)")
+    g.add_argument("--window-size", type=int, default=d.window_size, help="noise window w (paper Eq. 7)")
+    g.add_argument("--noise-schedule", choices=NOISE_SCHEDULES, default=d.noise_schedule)
+    g.add_argument("--consistency-positions", choices=CONSISTENCY_POSITIONS, default=d.consistency_positions)
+    g.add_argument("--seq-length", type=int, default=None, help="model-input row length (see docs)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer dir (ar objective with JSONL)")
+    g.add_argument("--num-workers", type=int, default=d.num_workers, help="DataLoader workers per rank")
+
+    g = p.add_argument_group("Jacobi Forcing objective")
+    g.add_argument("--attention-path", choices=ATTENTION_PATHS, default=d.attention_path)
+    g.add_argument("--mask", choices=MASKS, default=d.mask)
+    g.add_argument("--consistency-loss", choices=CONSISTENCY_LOSSES, default=d.consistency_loss)
+    g.add_argument("--kl-temperature", type=float, default=d.kl_temperature)
+    g.add_argument("--pc-weight", type=float, default=d.pc_weight, help="weight of L_pc")
+    g.add_argument("--ar-weight", type=float, default=d.ar_weight, help="weight of L_AR (reference: 10)")
+    g.add_argument("--pc-normalization", choices=PC_NORMALIZATIONS, default=d.pc_normalization)
+
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
+    g.add_argument("--global-batch-size", type=int, default=None, help="default: micro-batch-size * dp")
+    g.add_argument("--lr", type=float, default=d.lr)
+    g.add_argument("--min-lr", type=float, default=d.min_lr)
+    g.add_argument("--warmup-steps", type=int, default=None, help="default: 3%% of --train-steps")
+    g.add_argument("--train-steps", type=int, required=True)
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    g.add_argument("--adam-beta1", type=float, default=d.adam_beta1)
+    g.add_argument("--adam-beta2", type=float, default=d.adam_beta2)
+    g.add_argument("--adam-eps", type=float, default=d.adam_eps)
+    g.add_argument("--clip-grad", type=float, default=d.clip_grad, help="0 disables")
+
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None, help="checkpoint dir (resumes from its latest checkpoint)")
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--keep-last", type=int, default=None)
+    g.add_argument("--exit-interval", type=int, default=None, help="save and stop at a multiple of this")
+
+    g = p.add_argument_group("logging and validation")
+    g.add_argument("--log-interval", type=int, default=d.log_interval)
+    g.add_argument("--eval-interval", type=int, default=None)
+    g.add_argument("--eval-iters", type=int, default=None)
+    g.add_argument("--log-file", default=None, help="JSONL metrics file (appended)")
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=d.progress)
+    return p
+
+
+def parse_config(argv: list[str] | None = None) -> TrainConfig:
+    """Parse the command line into a validated :class:`TrainConfig`.
+
+    Raises:
+        SystemExit: unknown options or malformed values (argparse).
+        ValueError: inconsistent values (see :meth:`TrainConfig.validate`).
+    """
+    ns = build_parser().parse_args(argv)
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in vars(ns).items() if k in names}).validate()
+
+
+def effective_seq_length(cfg: TrainConfig, max_position: int) -> int:
+    """The model-input row length bound (and the padded length under pipeline parallelism)."""
+    if cfg.seq_length is not None:
+        return cfg.seq_length
+    if cfg.objective == "jf" and cfg.attention_path == "dense":
+        return 2 * max_position
+    return max_position
+
+
+def lr_at(iteration: int, cfg: TrainConfig) -> float:
+    """Learning rate of optimizer step ``iteration`` (1-based): linear warmup from 0 to ``lr`` over
+    ``warmup_steps``, then cosine decay to ``min_lr`` at ``train_steps``."""
+    warm = _warmup(cfg)
+    if warm and iteration <= warm:
+        return cfg.lr * iteration / warm
+    span = max(1, cfg.train_steps - warm)
+    progress = min(1.0, max(0.0, (iteration - warm) / span))
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def _warmup(cfg: TrainConfig) -> int:
+    return cfg.warmup_steps if cfg.warmup_steps is not None else math.ceil(0.03 * cfg.train_steps)
+
+
+# ============================================================================ data streams
+@dataclass
+class DatasetSpec:
+    """What a datasets provider returns for one split.
+
+    Attributes:
+        dataset: an iterable dataset with ``set_epoch(e)``, ``set_start(n)`` and ``samples_per_rank``
+            (e.g. :class:`~megatron_jf.data.dataset.TrajectoryDataset`,
+            :class:`~megatron_jf.data.text.TokenChunkDataset`), already split for this DP rank.
+        collate: list of samples -> batch with ``.to(device)`` and ``.num_tokens``.
+    """
+
+    dataset: Any
+    collate: Callable[[list], Any]
+
+
+class MicrobatchStream:
+    """Endless iterator of collated microbatches over epochs, with an exact resume position.
+
+    The position is ``(epoch, samples consumed in that epoch)`` counted where samples are *consumed*
+    (not where workers prefetch), so :meth:`state_dict` after step ``k`` plus
+    :meth:`load_state_dict` reproduces the rest of the stream exactly.
+
+    Raises:
+        ValueError: (on iteration) the dataset yields no sample for this rank.
+    """
+
+    def __init__(self, spec: DatasetSpec, micro_batch_size: int, num_workers: int = 0):
+        self.spec = spec
+        self.mb = micro_batch_size
+        self.num_workers = num_workers
+        self.epoch = 0
+        self.consumed = 0
+        self.tokens = 0
+        self._it: Iterator | None = None
+
+    def _open(self) -> Iterator:
+        ds = self.spec.dataset
+        ds.set_epoch(self.epoch)
+        ds.set_start(self.consumed)
+        if self.num_workers:
+            from torch.utils.data import DataLoader
+
+            return iter(DataLoader(ds, batch_size=None, num_workers=self.num_workers))
+        return iter(ds)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        samples = []
+        while len(samples) < self.mb:
+            if self._it is None:
+                self._it = self._open()
+            try:
+                s = next(self._it)
+            except StopIteration:
+                if self.consumed == 0:
+                    raise ValueError("the training data yields no samples for this data-parallel rank") from None
+                self.epoch += 1
+                self.consumed = 0
+                self._it = None
+                continue
+            samples.append(s)
+            self.consumed += 1
+        batch = self.spec.collate(samples)
+        self.tokens += int(batch.num_tokens)
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "consumed": self.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = int(state["epoch"])
+        self.consumed = int(state["consumed"])
+        self._it = None
+
+
+def _eval_batches(spec: DatasetSpec, mb: int, limit: int) -> Iterator:
+    ds = spec.dataset
+    ds.set_epoch(0)
+    ds.set_start(0)
+    buf, n = [], 0
+    for s in ds:
+        buf.append(s)
+        if len(buf) == mb:
+            yield spec.collate(buf)
+            buf, n = [], n + 1
+            if n >= limit:
+                return
+
+
+# ============================================================================ gradients
+def clip_grad_norm_tp(params, max_norm: float) -> float:
+    """Global gradient L2 norm over all model-parallel ranks, and clip to ``max_norm`` (0: no clip).
+
+    TP-sharded parameters (``param.tensor_model_parallel``) contribute from every TP rank; replicated
+    ones (norm weights) only from TP rank 0; the pipeline-tied output embedding (``param.shared``) is
+    skipped (its gradient equals the first stage's). The sum of squares is all-reduced over the
+    model-parallel (TP x PP) group, so every rank gets the same norm and the same clip factor
+    (``max_norm / (norm + 1e-6)`` when below 1, as megatron-core).
+
+    Returns:
+        The norm before clipping (a Python float).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    params = [p for p in params if p.grad is not None]
+    counted = [p.grad for p in params if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+    dev = params[0].grad.device if params else platform.default_device()
+    if counted:
+        sq = torch.stack([g.detach().float().pow(2).sum() for g in counted]).sum().double()
+    else:
+        sq = torch.zeros((), dtype=torch.float64, device=dev)
+    if ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(sq, group=ps.get_model_parallel_group())
+    norm = float(sq.sqrt())
+    if max_norm > 0:
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for p in params:
+                p.grad.detach().mul_(coef)
+    return norm
+
+
+def _all_reduce_grads(params, group, size: int) -> None:
+    """Average gradients over a process group in one flat buffer (coalesced all-reduce)."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads or size == 1:
+        return
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    flat.div_(size)
+    for g, r in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(r)
+
+
+# ============================================================================ trainer
+class Trainer:
+    """Owns model, optimizer, data streams and checkpoints of one run (see the module docstring).
+
+    Args:
+        cfg: the validated configuration.
+        model_provider: ``(model_args, cfg) -> JFGPTModel`` for this rank's TP/PP shard.
+        forward_step_func: ``(data_iterator, model) -> (output, loss_func)`` (megatron-core contract).
+        datasets_provider: ``(cfg, model_args) -> (train DatasetSpec, valid DatasetSpec | None)``.
+
+    Raises:
+        ValueError / FileNotFoundError: bad configuration, data or checkpoints (clear messages).
+    """
+
+    def __init__(self, cfg: TrainConfig, model_provider, forward_step_func, datasets_provider):
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from megatron_jf import checkpointing
+        from megatron_jf.models.gpt import unwrap
+
+        self.cfg = cfg.validate()
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        parallel.initialize(cfg.tp, cfg.pp)
+        parallel.set_seed(cfg.seed)
+        self.ps = ps
+        self.gpu = platform.HAVE_CUDA
+        self.device = platform.default_device()
+        self.use_mopt = self.gpu if cfg.use_megatron_optimizer is None else cfg.use_megatron_optimizer
+        if self.use_mopt and not self.gpu:
+            raise ValueError("--use-megatron-optimizer needs CUDA (megatron's optimizer hard-codes CUDA tensors); "
+                             "without a GPU the trainer uses torch AdamW")
+        if cfg.use_distributed_optimizer and not self.use_mopt:
+            raise ValueError("--use-distributed-optimizer needs the megatron optimizer (GPU)")
+        prec = cfg.precision
+        if prec == "auto":
+            prec = "bf16" if (self.gpu and self.use_mopt) else "fp32"
+        if prec == "bf16" and not self.use_mopt:
+            raise ValueError("--precision bf16 needs the megatron optimizer (fp32 main weights); "
+                             "the torch AdamW path trains in fp32")
+        self.dtype = torch.bfloat16 if prec == "bf16" else torch.float32
+        self.dp = ps.get_data_parallel_world_size()
+        gbs = cfg.global_batch_size or cfg.micro_batch_size * self.dp
+        if gbs % (cfg.micro_batch_size * self.dp):
+            raise ValueError(f"--global-batch-size {gbs} is not a multiple of micro-batch-size x dp = "
+                             f"{cfg.micro_batch_size} x {self.dp}")
+        self.global_batch_size = gbs
+        self.num_micro = gbs // (cfg.micro_batch_size * self.dp)
+
+        # ---- architecture and model
+        self.resume_iteration = None
+        if cfg.save and os.path.isdir(cfg.save):
+            self.resume_iteration = checkpointing.latest_iteration(cfg.save)
+        self.model_args = self._model_args(checkpointing)
+        model = model_provider(self.model_args, cfg)
+        if next(model.parameters()).dtype != self.dtype:
+            model = model.to(self.dtype)
+        self.module = unwrap(model)
+        self.seq_length = effective_seq_length(cfg, self.model_args.max_position_embeddings)
+        self.rows_per_micro = cfg.micro_batch_size * (2 if cfg.objective == "jf" and cfg.attention_path == "two_stream"
+                                                      else 1)
+
+        # ---- wrap for data parallelism and build the optimizer
+        self.model = self._wrap(model)
+        self.optimizer = self._build_optimizer()
+        config = self.module.config
+        config.variable_seq_lengths = False
+        config.finalize_model_grads_func = self._finalize_grads
+        if self.use_mopt:
+            from megatron.core.distributed import finalize_model_grads
+
+            config.finalize_model_grads_func = finalize_model_grads
+            config.grad_scale_func = self.optimizer.scale_loss
+        self.fwd_bwd = get_forward_backward_func()
+        self.forward_step = forward_step_func
+
+        # ---- data
+        train_spec, valid_spec = datasets_provider(cfg, self.model_args)
+        self.train_stream = MicrobatchStream(train_spec, cfg.micro_batch_size, cfg.num_workers)
+        self.valid_spec = valid_spec
+        self.iteration = 0
+
+        # ---- weights / state
+        if self.resume_iteration is not None:
+            self._resume(checkpointing)
+        elif cfg.load:
+            checkpointing.load_checkpoint(cfg.load, self.module, strict=False)
+            if self.use_mopt:
+                self.optimizer.reload_model_params()
+        self._last_saved = self.iteration
+        self._tb = None
+        self._log_acc: dict[str, float] = {}
+        self.history: list[dict] = []
+
+    # ------------------------------------------------------------------ setup helpers
+    def _model_args(self, checkpointing):
+        from megatron_jf.models.hf_config import ModelArgs
+
+        cfg = self.cfg
+        if cfg.hf_config:
+            return ModelArgs.from_hf_dir(cfg.hf_config)
+        if cfg.load:
+            return ModelArgs.from_dict(checkpointing.read_meta(cfg.load)["model_args"])
+        if self.resume_iteration is not None:
+            return ModelArgs.from_dict(checkpointing.read_meta(cfg.save, self.resume_iteration)["model_args"])
+        raise ValueError(f"no model: --save {cfg.save} holds no checkpoint; give --hf-config or --load")
+
+    def _wrap(self, model):
+        cfg = self.cfg
+        self.torch_ddp = False
+        if self.use_mopt:
+            from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+            ddp = DistributedDataParallel(
+                config=model.config,
+                ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                         use_distributed_optimizer=cfg.use_distributed_optimizer),
+                module=model)
+            model.config.no_sync_func = ddp.no_sync
+            return ddp
+        model.config.no_sync_func = None
+        if self.dp > 1 and cfg.pp == 1:
+            kw = {"device_ids": [self.device.index]} if self.gpu else {}
+            ddp = torch.nn.parallel.DistributedDataParallel(
+                model, process_group=self.ps.get_data_parallel_group(), broadcast_buffers=False, **kw)
+            model.config.no_sync_func = ddp.no_sync
+            self.torch_ddp = True
+            return ddp
+        return model
+
+    def _param_groups(self):
+        decay, no_decay = [], []
+        for name, p in self.module.named_parameters():
+            if not p.requires_grad:
+                continue
+            (no_decay if p.dim() < 2 or name.endswith(".bias") else decay).append(p)
+        return [{"params": decay, "weight_decay": self.cfg.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0}]
+
+    def _build_optimizer(self):
+        cfg = self.cfg
+        if self.use_mopt:
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+            ocfg = OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+                                   adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
+                                   clip_grad=cfg.clip_grad, bf16=self.dtype == torch.bfloat16,
+                                   params_dtype=self.dtype, use_distributed_optimizer=cfg.use_distributed_optimizer)
+            return get_megatron_optimizer(ocfg, [self.model])
+        return torch.optim.AdamW(self._param_groups(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                 eps=cfg.adam_eps)
+
+    def _params(self):
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _finalize_grads(self, model_list, num_tokens=None, **_kw):
+        """Gradient synchronisation after the schedule (torch path): DP average when torch DDP is not
+        in use (pp > 1), then the first/last-stage sum of the tied embedding gradient."""
+        ps = self.ps
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if self.dp > 1 and not self.torch_ddp:
+            _all_reduce_grads(params, ps.get_data_parallel_group(), self.dp)
+        if (ps.get_pipeline_model_parallel_world_size() > 1 and self.module.share_embeddings_and_output_weights
+                and (ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage())):
+            w = self.module.shared_embedding_or_output_weight()
+            if w is not None and w.grad is not None:
+                dist.all_reduce(w.grad, group=ps.get_embedding_group())
+
+    # ------------------------------------------------------------------ checkpoint state
+    def _ensure_adam_state(self):
+        opt = self.optimizer
+        for p in self._params():
+            st = opt.state[p]
+            if not st:
+                st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _optimizer_sharded(self, is_loading: bool):
+        model_sd = self.module.sharded_state_dict(prefix="model.")
+        if self.use_mopt:
+            return self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        from megatron.core.dist_checkpointing.optimizer import (
+            get_param_id_to_sharded_param_map,
+            optim_state_to_sharding_state,
+        )
+
+        self._ensure_adam_state()
+        id_map = get_param_id_to_sharded_param_map(model_sd, self._params())
+        sd = self.optimizer.state_dict()
+        optim_state_to_sharding_state(sd, id_map, exclude_keys=("step",))
+        return sd
+
+    def _rng_sharded(self):
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        ps = self.ps
+        state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                 "cuda": torch.cuda.get_rng_state() if self.gpu else None}
+        return ShardedObject("rng_state", state,
+                             (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(),
+                              self.dp),
+                             (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+                              ps.get_data_parallel_rank()), replica_id=0)
+
+    def _common(self) -> dict:
+        return {"iteration": self.iteration, "data": self.train_stream.state_dict(),
+                "consumed_samples": self.iteration * self.global_batch_size, "dp": self.dp,
+                "objective": self.cfg.objective, "block_size": self.cfg.block_size,
+                "optimizer": "megatron" if self.use_mopt else "torch_adamw", "config": self.cfg.to_json()}
+
+    def save(self) -> str:
+        """Checkpoint the current iteration into ``--save`` (collective)."""
+        from megatron_jf import checkpointing
+
+        extra = {"optimizer": self._optimizer_sharded(False), "rng": self._rng_sharded()}
+        path = checkpointing.save_checkpoint(self.cfg.save, self.iteration, self.module, sharded_extra=extra,
+                                             common=self._common(), keep_last=self.cfg.keep_last)
+        self._last_saved = self.iteration
+        self._print(f"saved checkpoint {path}")
+        return path
+
+    def _resume(self, checkpointing):
+        cfg, it = self.cfg, self.resume_iteration
+        meta = checkpointing.read_meta(cfg.save, it)
+        common = meta.get("common", {})
+        want = "megatron" if self.use_mopt else "torch_adamw"
+        if common.get("optimizer") != want:
+            raise ValueError(f"checkpoint {cfg.save} iteration {it} holds {common.get('optimizer')!r} optimizer "
+                             f"state but this run uses {want!r}")
+        same_layout = (meta.get("tp"), meta.get("pp"), common.get("dp")) == (
+            self.ps.get_tensor_model_parallel_world_size(), self.ps.get_pipeline_model_parallel_world_size(), self.dp)
+        extra = {"optimizer": self._optimizer_sharded(True)}
+        if same_layout:
+            extra["rng"] = self._rng_sharded()
+        res = checkpointing.load_checkpoint(cfg.save, self.module, iteration=it, sharded_extra=extra, strict=False)
+        loaded = res["extra"]
+        if self.use_mopt:
+            self.optimizer.load_state_dict(loaded["optimizer"])
+        else:
+            params = self._params()
+            step = torch.tensor(float(common["iteration"]), dtype=torch.float32)
+            with torch.no_grad():
+                for pid, st in loaded["optimizer"]["state"].items():
+                    dst = self.optimizer.state[params[int(pid)]]
+                    for k, v in st.items():
+                        dst[k].copy_(v)
+                    dst["step"] = step.clone()
+        if "rng" in loaded:
+            r = loaded["rng"]
+            random.setstate(r["python"])
+            np.random.set_state(r["numpy"])
+            torch.set_rng_state(r["torch"])
+            if self.gpu and r.get("cuda") is not None:
+                torch.cuda.set_rng_state(r["cuda"])
+        self.iteration = int(common["iteration"])
+        self.train_stream.load_state_dict(common["data"])
+        self._print(f"resumed from {cfg.save} iteration {self.iteration}")
+
+    # ------------------------------------------------------------------ steps
+    def _run_schedule(self, data_iterator, num_micro: int, forward_only: bool):
+        return self.fwd_bwd(forward_step_func=self.forward_step, data_iterator=data_iterator, model=[self.model],
+                            num_microbatches=num_micro, seq_length=self.seq_length,
+                            micro_batch_size=self.rows_per_micro, forward_only=forward_only)
+
+    def _is_loss_rank(self) -> bool:
+        return self.ps.is_pipeline_last_stage() and self.ps.get_tensor_model_parallel_rank() == 0
+
+    def _reduce(self, reports: list[dict], extra: list[float]) -> dict[str, float]:
+        """Sum ``(sum, count)`` reports over microbatches and data-parallel replicas (world all-reduce;
+        only one rank per replica contributes: the last stage's TP rank 0)."""
+        n = len(METRIC_KEYS)
+        vec = torch.zeros(2 * n + len(extra), dtype=torch.float64)
+        if self._is_loss_rank():
+            for r in reports:
+                for i, k in enumerate(METRIC_KEYS):
+                    vec[2 * i: 2 * i + 2] += r[k].detach().double().cpu()
+            vec[2 * n:] = torch.tensor(extra, dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            v = vec.to(self.device)
+            dist.all_reduce(v)
+            vec = v.cpu()
+        out = {k: float(vec[2 * i] / vec[2 * i + 1]) if vec[2 * i + 1] > 0 else float("nan")
+               for i, k in enumerate(METRIC_KEYS)}
+        out["extra"] = vec[2 * n:].tolist()
+        return out
+
+    def train_step(self) -> dict:
+        """One optimizer step over ``num_microbatches`` microbatches; returns its metrics
+        (``loss``, ``pc loss``, ``ar loss``, ``noisy acc``, ``lr``, ``grad norm``, ``tokens``, ``time``)."""
+        t0 = time.perf_counter()
+        self.model.train()
+        if self.use_mopt:
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        tok0 = self.train_stream.tokens
+        reports = self._run_schedule(self.train_stream, self.num_micro, forward_only=False)
+        lr = lr_at(self.iteration + 1, self.cfg)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        if self.use_mopt:
+            ok, grad_norm, _ = self.optimizer.step()
+            grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+        else:
+            grad_norm = clip_grad_norm_tp(self._params(), self.cfg.clip_grad)
+            self.optimizer.step()
+        self.iteration += 1
+        m = self._reduce(reports, [float(self.train_stream.tokens - tok0)])
+        tokens = m.pop("extra")[0]
+        m.update({"iteration": self.iteration, "lr": lr, "grad norm": grad_norm, "tokens": tokens,
+                  "time": time.perf_counter() - t0})
+        return m
+
+    @torch.no_grad()
+    def evaluate(self) -> dict | None:
+        """Forward-only pass over the validation set (or ``--eval-iters`` microbatches); None without one."""
+        if self.valid_spec is None:
+            return None
+        self.model.eval()
+        per_rank = self.valid_spec.dataset.samples_per_rank // self.cfg.micro_batch_size
+        limit = min(per_rank, self.cfg.eval_iters or per_rank)
+        if limit == 0:
+            raise ValueError(f"validation data has fewer than micro-batch-size x dp = "
+                             f"{self.cfg.micro_batch_size} x {self.dp} samples")
+        reports = self._run_schedule(_eval_batches(self.valid_spec, self.cfg.micro_batch_size, limit), limit,
+                                     forward_only=True)
+        m = self._reduce(reports, [])
+        m.pop("extra")
+        m["iteration"] = self.iteration
+        self.model.train()
+        return m
+
+    # ------------------------------------------------------------------ logging
+    def _print(self, msg: str):
+        if parallel.is_rank0():
+            if getattr(self, "_bar", None) is not None:
+                self._bar.write(msg)
+            else:
+                print(msg, flush=True)
+
+    def _log_event(self, split: str, m: dict):
+        if not parallel.is_rank0():
+            return
+        rec = {"split": split, **{k.replace(" ", "_"): v for k, v in m.items()}}
+        if self.cfg.log_file:
+            d = os.path.dirname(os.path.abspath(self.cfg.log_file))
+            os.makedirs(d, exist_ok=True)
+            with open(self.cfg.log_file, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        if self.cfg.tensorboard_dir:
+            if self._tb is None:
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
+
+                    self._tb = SummaryWriter(self.cfg.tensorboard_dir)
+                except ImportError:
+                    self._tb = False
+                    self._print("tensorboard is not installed; --tensorboard-dir ignored")
+            if self._tb:
+                for k, v in m.items():
+                    if k != "iteration" and isinstance(v, float) and math.isfinite(v):
+                        self._tb.add_scalar(f"{split}/{k}", v, m["iteration"])
+
+    def _format(self, split: str, m: dict) -> str:
+        parts = [f"{split} step {m['iteration']}/{self.cfg.train_steps}", f"loss {m['loss']:.4f}"]
+        if self.cfg.objective == "jf":
+            parts += [f"L_pc {m['pc loss']:.4f}", f"L_AR {m['ar loss']:.4f}", f"noisy acc {m['noisy acc']:.3f}"]
+        if split == "train":
+            parts += [f"lr {m['lr']:.3e}", f"grad norm {m['grad norm']:.3f}", f"tok/s {m['tokens per s']:.0f}"]
+        return " | ".join(parts)
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> list[dict]:
+        """Train until ``--train-steps`` (or ``--exit-interval``); returns the per-step metrics."""
+        cfg = self.cfg
+        fault = int(os.environ.get(FAULT_ENV, "0") or 0)
+        self._bar = None
+        if cfg.progress and parallel.is_rank0():
+            try:
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=cfg.train_steps, initial=self.iteration, desc="train", dynamic_ncols=True,
+                                 file=sys.stderr)
+            except ImportError:
+                self._bar = None
+        acc: dict[str, float] = {}
+        nacc = 0
+        try:
+            while self.iteration < cfg.train_steps:
+                m = self.train_step()
+                self.history.append(m)
+                if self._bar is not None:
+                    self._bar.update(1)
+                for k in ("loss", "pc loss", "ar loss", "noisy acc", "tokens", "time"):
+                    acc[k] = acc.get(k, 0.0) + m[k]
+                nacc += 1
+                it = self.iteration
+                if it % cfg.log_interval == 0 or it == cfg.train_steps:
+                    lm = {k: acc[k] / nacc for k in ("loss", "pc loss", "ar loss", "noisy acc")}
+                    lm.update({"iteration": it, "lr": m["lr"], "grad norm": m["grad norm"],
+                               "tokens per s": acc["tokens"] / max(acc["time"], 1e-9),
+                               "step time": acc["time"] / nacc})
+                    self._print(self._format("train", lm))
+                    self._log_event("train", lm)
+                    acc, nacc = {}, 0
+                if fault and it == fault:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if cfg.eval_interval and it % cfg.eval_interval == 0:
+                    em = self.evaluate()
+                    self._print(self._format("valid", em))
+                    self._log_event("valid", em)
+                if cfg.save and cfg.save_interval and it % cfg.save_interval == 0:
+                    self.save()
+                if cfg.exit_interval and it % cfg.exit_interval == 0:
+                    break
+            if cfg.save and self._last_saved != self.iteration:
+                self.save()
+        finally:
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
+            if self._tb:
+                self._tb.close()
+        return self.history
+
+
+def pretrain(cfg: TrainConfig, model_provider, forward_step_func, datasets_provider) -> list[dict]:
+    """Build a :class:`Trainer` and train (Megatron-LM's ``pretrain`` entry point, without global args).
+
+    Returns:
+        The per-step metrics of this run.
+    """
+    return Trainer(cfg, model_provider, forward_step_func, datasets_provider).train()

@@ -1,0 +1,150 @@
+#!/usr/bin/env python
+"""Jacobi Forcing training (arXiv 2512.14681, Sec. 3.1, Eq. 8-9) on megatron-core.
+
+The same shape as Megatron-LM's ``pretrain_gpt.py``: a model provider, a ``forward_step`` returning
+``(output, partial(loss_func, ...))``, a datasets provider, and :func:`megatron_jf.training.trainer.pretrain`
+-- with one :class:`~megatron_jf.training.trainer.TrainConfig` passed explicitly instead of global args.
+
+Examples (CPU, 2 processes; add ``--tp``/``--pp`` to split the model)::
+
+    # Jacobi Forcing on trajectory shards, from a converted checkpoint
+    torchrun --nproc_per_node 2 pretrain_jf.py --load ckpt/qwen-mcore --data shards/train \\
+        --valid-data shards/valid --block-size 32 --window-size 16 --train-steps 1000 \\
+        --micro-batch-size 1 --global-batch-size 8 --lr 1e-5 --save ckpt/jf --save-interval 200
+
+    # plain next-token training on int32 token ids
+    python pretrain_jf.py --objective ar --hf-config tiny_cfg --data tokens.npy --seq-length 256 --train-steps 100
+
+Run ``python pretrain_jf.py --help`` for every option, grouped by concern.
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+
+import torch
+
+from megatron_jf import platform
+from megatron_jf.training.trainer import DatasetSpec, TrainConfig, effective_seq_length, parse_config, pretrain
+
+
+def model_provider(model_args, cfg: TrainConfig):
+    """This rank's :class:`~megatron_jf.models.gpt.JFGPTModel` (pre/post-process from the PP stage)."""
+    from megatron_jf.models.gpt import build_model
+
+    return build_model(model_args)
+
+
+def loss_func(batch, loss_cfg, vocab_size: int, output_tensor: torch.Tensor):
+    """Jacobi Forcing loss of one microbatch (paper Eq. 8-9).
+
+    Args:
+        batch: the :class:`~megatron_jf.training.attention_paths.JFBatch` the output came from.
+        loss_cfg: :class:`~megatron_jf.training.losses.LossConfig`.
+        vocab_size: real vocabulary size (padding columns excluded).
+        output_tensor: vocab-parallel logits ``[R, S, V_local]``.
+
+    Returns:
+        ``(loss summed over samples, number of samples (int tensor), report)``: megatron-core divides
+        by the count, so the step minimises the mean over samples. ``report`` values are
+        ``(sum, count)`` pairs: ``loss``, ``pc loss`` (L_pc), ``ar loss`` (L_AR), ``noisy acc``.
+    """
+    from megatron_jf.training.attention_paths import gather_jf_logits
+    from megatron_jf.training.losses import jf_loss
+
+    loss_sum, report = jf_loss(gather_jf_logits(output_tensor, batch, vocab_size), loss_cfg)
+    return loss_sum, torch.tensor(batch.num_samples, dtype=torch.int), report
+
+
+def ar_loss_func(batch, vocab_size: int, output_tensor: torch.Tensor):
+    """Next-token loss (``--objective ar``): ``(loss summed over tokens, token count, report)``."""
+    from megatron_jf.training.losses import ar_loss
+
+    return ar_loss(output_tensor, batch.labels, vocab_size=vocab_size)
+
+
+def forward_step(data_iterator, model, *, cfg: TrainConfig):
+    """Forward one microbatch (megatron-core ``forward_step_func`` contract).
+
+    Returns:
+        ``(output, partial(loss_func, ...))``: logits on the last pipeline stage, hidden states
+        elsewhere (the schedule only calls the loss function on the last stage).
+    """
+    from megatron_jf.models.gpt import unwrap
+    from megatron_jf.training.attention_paths import forward_model
+
+    batch = next(data_iterator).to(platform.default_device())
+    vocab = unwrap(model).vocab_size_unpadded
+    if cfg.objective == "ar":
+        output = model(batch.tokens, batch.position_ids, None, runtime_gather_output=False)
+        return output, partial(ar_loss_func, batch, vocab)
+    return forward_model(model, batch), partial(loss_func, batch, cfg.loss_config(), vocab)
+
+
+def train_valid_datasets_provider(cfg: TrainConfig, model_args):
+    """Training and validation data for this data-parallel rank.
+
+    Returns:
+        ``(train DatasetSpec, valid DatasetSpec or None)``.
+
+    Raises:
+        ValueError / FileNotFoundError: missing, empty or corrupt data, or (jf) shards whose block size
+            differs from ``--block-size`` (checked on the first record, and on every record read).
+    """
+    from megatron_jf import parallel
+
+    rank, world = parallel.dp_rank(), parallel.dp_size()
+    seq = effective_seq_length(cfg, model_args.max_position_embeddings)
+    if cfg.objective == "ar":
+        from megatron_jf.data.text import TokenChunkDataset, collate_text
+
+        tok = None
+        if cfg.tokenizer:
+            from megatron_jf.tokenizer import load_tokenizer
+
+            tok = load_tokenizer(cfg.tokenizer)
+        if seq > model_args.max_position_embeddings:
+            raise ValueError(f"--seq-length {seq} exceeds the model's context of {model_args.max_position_embeddings}")
+
+        def make(paths, shuffle):
+            return DatasetSpec(TokenChunkDataset(paths, seq, tokenizer=tok, vocab_size=model_args.vocab_size,
+                                                 seed=cfg.seed, shuffle=shuffle, rank=rank, world_size=world),
+                               collate_text)
+    else:
+        from megatron_jf.data.dataset import TrajectoryDataset
+        from megatron_jf.training.attention_paths import build_jf_batch
+
+        pad = model_args.pad_token_id if model_args.pad_token_id is not None else (
+            model_args.eos_token_ids[0] if model_args.eos_token_ids else 0)
+        collate = partial(build_jf_batch, path=cfg.attention_path, mask=cfg.mask, window_size=cfg.window_size,
+                          pad_id=int(pad), pad_to=seq if cfg.pp > 1 else None, max_len=seq,
+                          pad_to_multiple_of=8, max_position=model_args.max_position_embeddings,
+                          vocab_size=model_args.vocab_size)
+
+        def make(paths, shuffle):
+            ds = TrajectoryDataset(paths, window_size=cfg.window_size, schedule=cfg.noise_schedule, seed=cfg.seed,
+                                   consistency=cfg.consistency_positions, block_size=cfg.block_size,
+                                   shuffle=shuffle, rank=rank, world_size=world, remainder="drop", batch_size=1)
+            ds.read_record(0)  # fail fast on a block-size mismatch or an unreadable first record
+            return DatasetSpec(ds, collate)
+    return make(cfg.data, True), (make(cfg.valid_data, False) if cfg.valid_data else None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns the process exit status (1 with a one-line error for bad input)."""
+    try:
+        cfg = parse_config(argv)
+        pretrain(cfg, model_provider, partial(forward_step, cfg=cfg), train_valid_datasets_provider)
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+        print(f"pretrain_jf.py: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        from megatron_jf import parallel
+
+        parallel.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

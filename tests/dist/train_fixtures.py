@@ -1,0 +1,123 @@
+"""Shared helpers for the training tests: hand-made trajectory records and tiny real models.
+
+Records are built by hand (no model): each block's fixed point is random, and its Jacobi states
+converge left to right (state ``s`` of ``S`` has its first ``round(s * n / S)`` tokens correct and
+random tokens after them), which is the shape real greedy trajectories have.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def make_record(seed: int, *, prompt_len: int = 5, block_size: int = 4, num_blocks: int = 3, vocab: int = 256,
+                num_states: int = 4, last_block_len: int | None = None, sample_id: str | None = None):
+    """A valid :class:`~megatron_jf.data.trajectory.TrajectoryRecord` (ids in ``[0, vocab - 1)``)."""
+    from megatron_jf.data.trajectory import BlockTrajectory, TrajectoryRecord
+
+    g = torch.Generator().manual_seed(seed)
+    hi = vocab - 1  # keep clear of the tiny models' EOS (vocab - 1)
+    prompt = torch.randint(0, hi, (prompt_len,), generator=g)
+    blocks, ctx = [], prompt_len
+    for i in range(num_blocks):
+        n = block_size if (i < num_blocks - 1 or last_block_len is None) else last_block_len
+        fp = torch.randint(0, hi, (n,), generator=g)
+        states = []
+        for s in range(num_states):
+            k = round(s * n / num_states)
+            d = torch.randint(0, hi, (n,), generator=g)
+            d[:k] = fp[:k]
+            states.append(d)
+        blocks.append(BlockTrajectory(context_len=ctx, drafts=torch.stack(states), fixed_point=fp))
+        ctx += n
+    rec = TrajectoryRecord(sample_id=sample_id or f"rec{seed}", prompt_ids=prompt, blocks=blocks,
+                           block_size=block_size, eos_reached=False)
+    return rec.validate()
+
+
+def write_shards(directory: str, records, *, per_shard: int = 4, prefix: str = "traj") -> str:
+    """Write ``records`` as trajectory shards (+ manifest) into ``directory``; returns it."""
+    from megatron_jf.data.shards import TrajectoryShardWriter
+
+    with TrajectoryShardWriter(directory, prefix=prefix, max_records_per_shard=per_shard) as w:
+        for r in records:
+            w.write(r)
+    w.write_manifest(model="hand-made", tokenizer="none")
+    return directory
+
+
+def tiny_mcore_model(seed: int = 0, layers: int = 2, **kw):
+    """A converted tiny random Qwen2 (megatron-core, this rank's TP/PP shard) and its ModelArgs."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_jf.models.convert import hf_to_mcore
+    from megatron_jf.models.gpt import build_model
+    from megatron_jf.models.hf_config import ModelArgs
+    from megatron_jf.testing import tiny_hf_model
+
+    hf = tiny_hf_model("qwen2", seed=seed, layers=layers, **kw)
+    args = ModelArgs.from_hf_dict(hf.config.to_dict())
+    model = build_model(args)
+    sd = hf_to_mcore(hf.state_dict(), args, tp_rank=ps.get_tensor_model_parallel_rank(),
+                     tp_size=ps.get_tensor_model_parallel_world_size(),
+                     pp_rank=ps.get_pipeline_model_parallel_rank(),
+                     pp_size=ps.get_pipeline_model_parallel_world_size())
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not [k for k in missing if "extra_state" not in k] and not unexpected, (missing, unexpected)
+    return model, args
+
+
+def save_tiny_hf_config(path: str, **kw) -> str:
+    """Write only the ``config.json`` of a tiny Qwen2 into ``path`` (for from-scratch training)."""
+    from megatron_jf.testing import tiny_hf_config
+
+    os.makedirs(path, exist_ok=True)
+    tiny_hf_config("qwen2", **kw).save_pretrained(path)
+    return path
+
+
+def hf_weights_provider(hf_dir: str):
+    """A ``model_provider`` for :class:`~megatron_jf.training.trainer.Trainer` that loads the HF weights
+    of ``hf_dir`` into this rank's TP/PP shard (so every layout starts from identical weights)."""
+
+    def provider(model_args, cfg):
+        from megatron.core import parallel_state as ps
+        from transformers import AutoModelForCausalLM
+
+        from megatron_jf.models.convert import hf_to_mcore
+        from megatron_jf.models.gpt import build_model
+
+        model = build_model(model_args)
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+        sd = hf_to_mcore(hf.state_dict(), model_args, tp_rank=ps.get_tensor_model_parallel_rank(),
+                         tp_size=ps.get_tensor_model_parallel_world_size(),
+                         pp_rank=ps.get_pipeline_model_parallel_rank(),
+                         pp_size=ps.get_pipeline_model_parallel_world_size())
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+        assert not [k for k in missing if "extra_state" not in k] and not unexpected, (missing, unexpected)
+        return model
+
+    return provider
+
+
+#: Two training configurations exercised at every parallel layout: the default path, and the dense
+#: path with the NC-IC mask and the reference code's loss settings.
+PARALLEL_CONFIGS = {
+    "two_stream_kl": dict(attention_path="two_stream", mask="nc", consistency_loss="kl"),
+    "dense_ncic_ref": dict(attention_path="dense", mask="nc_ic", consistency_loss="soft_ce",
+                           pc_normalization="reference", ar_weight=10.0),
+}
+
+
+def parallel_config(work: str, name: str, **over):
+    """The TrainConfig of one parallel-equivalence run (3 steps, 2 samples per step, clipping active)."""
+    from megatron_jf.training.trainer import TrainConfig
+
+    kw = dict(hf_config=os.path.join(work, "hf"), data=[os.path.join(work, "train")], block_size=4, window_size=2,
+              train_steps=3, micro_batch_size=1, global_batch_size=2, lr=2e-3, warmup_steps=0, clip_grad=0.05,
+              log_interval=100, progress=False, threads=1, seed=7)
+    kw.update(PARALLEL_CONFIGS[name])
+    kw.update(over)
+    return TrainConfig(**kw)
