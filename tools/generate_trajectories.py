@@ -58,6 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--long-prompts", choices=("skip", "error"), default="skip",
                    help="prompts that do not fit the context window: skip and count them, or stop with an error")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per process (default: torch's)")
     args = p.parse_args(argv)
     for name in ("block_size", "max_new_tokens", "batch_size", "max_records_per_shard", "tp"):
         if getattr(args, name) < 1:
@@ -265,6 +266,10 @@ def _print_summary(st, n_long, counts, manifest, dp, tp, wall):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         return run(args)
     except (FileNotFoundError, ValueError, FileExistsError) as e:

@@ -69,6 +69,7 @@ class Preset:
     timing_prompts: int = 12
     nll_chunks: int = 64
     threads: int = 2
+    repetition_filter: bool = True
     real: bool = False
 
 
@@ -76,7 +77,7 @@ PRESETS = {
     "smoke": Preset("smoke", vocab_size=512, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, max_pos=512,
                     pretrain_steps=20, pretrain_seq=128, pretrain_mbs=8, prompt_tokens=32, n_train_prompts=24,
                     n_eval_prompts=6, response_tokens=64, collect_batch=12, jf1_steps=6, jf2_steps=6, jf_mbs=4,
-                    eval_block_sizes=(8, 16), timing_prompts=2, nll_chunks=8),
+                    eval_block_sizes=(8, 16), timing_prompts=2, nll_chunks=8, repetition_filter=False),
     "default": Preset("default"),
     "real": Preset("real", real=True, n_train_prompts=96, n_eval_prompts=16, response_tokens=256,
                    collect_batch=16, jf1_steps=60, jf2_steps=60, jf_mbs=2, jf_lr=1e-5, eval_block_sizes=(16, 32),
@@ -108,8 +109,8 @@ class Pipeline:
         tmp.write_text(json.dumps(info, indent=1))
         os.replace(tmp, self.path(f"{stage}.done"))
 
-    def run(self, args: list[str], stage: str) -> None:
-        cmd = [self.python, *args]
+    def run(self, args: list, stage: str) -> None:
+        cmd = [self.python, *(f"{a:g}" if isinstance(a, float) else a for a in args)]
         self.log(f"[{stage}] $ {' '.join(str(c) for c in cmd)}")
         proc = subprocess.run([str(c) for c in cmd], env=self.env, cwd=str(REPO))
         if proc.returncode != 0:
@@ -246,8 +247,13 @@ class Pipeline:
         p = self.p
         self.run(["tools/generate_trajectories.py", "--load", self.path(model), "--prompts",
                   self.path("prompts_train.jsonl"), "--block-size", n, "--max-new-tokens", p.response_tokens,
-                  "--batch-size", p.collect_batch, "--out", self.path(stage), "--threads", p.threads], stage)
+                  "--batch-size", p.collect_batch, "--out", self.path(stage), "--threads", p.threads]
+                 + ([] if p.repetition_filter else ["--no-filter"]), stage)
         man = json.loads(self.path(stage, "manifest.json").read_text())
+        records = man.get("counts", {}).get("records", man.get("records"))
+        if not records:
+            raise RuntimeError(f"stage {stage}: no trajectory records were kept (see {self.path(stage, 'manifest.json')}: "
+                               "every sample was filtered); the base model is too degenerate for this preset")
         return {"manifest": {k: v for k, v in man.items() if k != "shards"}}
 
     def stage_jf(self, stage: str, init: str, data: str, n: int, w: int, steps: int) -> dict:
