@@ -38,16 +38,16 @@ def initialize(tp: int = 1, pp: int = 1, *, timeout_s: int = 600) -> None:
     if tp < 1 or pp < 1:
         raise ValueError(f"tensor/pipeline parallel sizes must be >= 1, got tp={tp} pp={pp}")
     if not dist.is_initialized():
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        rank = int(os.environ.get("RANK", "0"))
-        if world == 1 and "MASTER_ADDR" not in os.environ:
-            os.environ["MASTER_ADDR"] = "127.0.0.1"
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
         backend = "nccl" if platform.HAVE_CUDA else "gloo"
         if platform.HAVE_CUDA:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+        if "WORLD_SIZE" not in os.environ:
+            # a single process not started by torchrun: an in-process store, no TCP port to collide on
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timedelta(seconds=timeout_s))
+        else:
+            dist.init_process_group(backend, rank=int(os.environ.get("RANK", "0")),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=timeout_s))
     world = dist.get_world_size()
     if world % (tp * pp) != 0:
         raise ValueError(f"tp*pp = {tp}*{pp} does not divide the world size {world}")
@@ -56,14 +56,6 @@ def initialize(tp: int = 1, pp: int = 1, *, timeout_s: int = 600) -> None:
             return
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def set_seed(seed: int) -> None:
