@@ -149,7 +149,7 @@ class Pipeline:
         from megatron_jf.tokenizer import load_tokenizer
 
         if self.p.real:
-            return {"skipped": "model B brings its own tokenizer"}
+            return {"skipped": "model B brings its own tokenizer (held-out NLL tokens are made in the prompts stage)"}
         files = list_corpus_files()
         train, held = split_files(files)
         tok_dir = self.path("tokenizer")
@@ -226,7 +226,10 @@ class Pipeline:
             os.replace(tmp, dst)
 
     def stage_prompts(self) -> dict:
-        from megatron_jf.quickstart.corpus import list_corpus_files, make_prompt_sets
+        """Training prompts from train files; evaluation prompts from held-out files (model A) or HumanEval (model B)."""
+        import numpy as np
+
+        from megatron_jf.quickstart.corpus import list_corpus_files, make_prompt_sets, split_files
         from megatron_jf.tokenizer import load_tokenizer
 
         tok = load_tokenizer(self._tokenizer_dir())
@@ -234,14 +237,35 @@ class Pipeline:
         train, evals = make_prompt_sets(files, self.p.n_train_prompts, self.p.n_eval_prompts, tokenizer=tok,
                                         n_tokens=self.p.prompt_tokens, max_per_file=6, seed=0)
         assert not {p.rel for p in train} & {p.rel for p in evals}, "train and eval prompts share files"
-        for name, items in (("prompts_train.jsonl", train), ("prompts_eval.jsonl", evals)):
+        train_rows = []
+        for p in train:
+            ids = list(p.token_ids)
+            if self.p.real:  # an instruct model: ask for the continuation in its chat template
+                msg = "Complete the following Python code.\n```python\n" + tok.decode(ids) + "\n```"
+                ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": msg}]))
+            train_rows.append({"id": f"{p.rel}:{p.line}", "prompt_ids": ids})
+        if self.p.real:  # held-out NLL tokens with this tokenizer, and HumanEval as the evaluation prompts
+            from megatron_jf.eval.benchmarks import load_benchmark
+            from megatron_jf.eval.prompts import build_messages
+
+            _, held = split_files(files)
+            toks = []
+            for f in held:
+                toks.extend(tok.encode(Path(f.path).read_text(encoding="utf-8", errors="replace")))
+            np.save(self.path("tokens_heldout.npy"), np.asarray(toks, dtype=np.int32))
+            eval_rows = [{"id": pr.task_id, "task_id": pr.task_id,
+                          "prompt_ids": tok.encode(tok.apply_chat_template(build_messages(pr)))}
+                         for pr in load_benchmark("humaneval", limit=self.p.n_eval_prompts)]
+        else:
+            eval_rows = [{"id": f"{p.rel}:{p.line}", "prompt_ids": list(p.token_ids)} for p in evals]
+        for name, rows in (("prompts_train.jsonl", train_rows), ("prompts_eval.jsonl", eval_rows)):
             tmp = self.path(name + ".tmp")
             with open(tmp, "w") as f:
-                for i, p in enumerate(items):
-                    f.write(json.dumps({"id": f"{p.rel}:{p.line}", "prompt_ids": list(p.token_ids)}) + "\n")
+                for r in rows:
+                    f.write(json.dumps(r) + "\n")
             os.replace(tmp, self.path(name))
-        self.log(f"[prompts] {len(train)} train prompts, {len(evals)} held-out eval prompts")
-        return {"train": len(train), "eval": len(evals)}
+        self.log(f"[prompts] {len(train_rows)} train prompts, {len(eval_rows)} evaluation prompts")
+        return {"train": len(train_rows), "eval": len(eval_rows)}
 
     def stage_traj(self, stage: str, model: str, n: int) -> dict:
         p = self.p

@@ -62,7 +62,8 @@ def build_report(pipe) -> dict:
     out_dir.mkdir(exist_ok=True)
     tok = load_tokenizer(pipe.path("base", "tokenizer"))
     eos = set(tok.eos_ids)
-    prompts = [json.loads(l)["prompt_ids"] for l in open(pipe.path("prompts_eval.jsonl"))]
+    prompt_rows = [json.loads(l) for l in open(pipe.path("prompts_eval.jsonl"))]
+    prompts = [r["prompt_ids"] for r in prompt_rows]
     held = np.load(pipe.path("tokens_heldout.npy")) if pipe.path("tokens_heldout.npy").exists() else None
     n = p.n2
     decoders = {"AR": DecodeConfig("ar"), f"Jacobi (n={n})": DecodeConfig("jacobi", block_size=n),
@@ -108,6 +109,9 @@ def build_report(pipe) -> dict:
     for r in rows:
         ar = next(x for x in rows if x["model"] == r["model"] and x["decoder"] == "AR")
         r["speedup"] = r["tps"] / ar["tps"]
+    pass1 = _humaneval_pass1(prompt_rows, outputs, tok) if "task_id" in prompt_rows[0] else {}
+    for r in rows:
+        r["pass@1"] = pass1.get(r["model"])
     base_out = outputs["base"]
     for r in rows:
         o = outputs[r["model"]]
@@ -125,16 +129,31 @@ def build_report(pipe) -> dict:
     return {"report": str(out_dir / "report.md")}
 
 
+def _humaneval_pass1(prompt_rows, outputs, tok) -> dict:
+    """pass@1 of each model's greedy completions (identical for every decoder: they are lossless)."""
+    from megatron_jf.eval.benchmarks import load_benchmark
+    from megatron_jf.eval.scoring import aggregate, score_many
+
+    probs = {p.task_id: p for p in load_benchmark("humaneval")}
+    problems = [probs[r["task_id"]] for r in prompt_rows]
+    out = {}
+    for label, toks in outputs.items():
+        scores = score_many(problems, [tok.decode(t) for t in toks])
+        out[label] = aggregate(scores)["all"]["accuracy"]
+    return out
+
+
 def _markdown(s) -> str:
     lines = [f"# Jacobi Forcing quickstart ({s['preset']})", "",
              f"{s['eval_prompts']} held-out prompts, up to {s['response_tokens']} new tokens, greedy. "
              "Speedup = decode TPS / AR decode TPS of the same model, measured in the same run (batch 1). "
              "Every decoder's output was checked equal to the same model's greedy AR output.", "",
-             "| Model | Method | Speedup | TPF | TPS | held-out NLL | agree w/ base | distinct-4 |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| Model | Method | Speedup | TPF | TPS | held-out NLL | agree w/ base | distinct-4 | pass@1 |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in s["rows"]:
+        p1 = "-" if r.get("pass@1") is None else f"{100 * r['pass@1']:.1f}%"
         lines.append(f"| {r['model']} | {r['decoder']} | {r['speedup']:.2f}x | {r['tpf']:.2f} | {r['tps']:.1f} | "
-                     f"{r['nll']:.3f} | {100 * r['agreement_with_base']:.1f}% | {r['distinct4']:.3f} |")
+                     f"{r['nll']:.3f} | {100 * r['agreement_with_base']:.1f}% | {r['distinct4']:.3f} | {p1} |")
     lines += ["", "TPF of vanilla Jacobi by block size n:", "",
               "| Model | " + " | ".join(f"n={k}" for k in next(iter(s["tpf_by_block_size"].values()))) + " |",
               "|---|" + "---|" * len(next(iter(s["tpf_by_block_size"].values())))]
