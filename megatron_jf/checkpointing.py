@@ -21,6 +21,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
+from megatron_jf.fileio import atomic_write_text
 from megatron_jf.models.hf_config import ModelArgs
 
 META = "jf_meta.json"
@@ -134,7 +135,7 @@ def save_checkpoint(ckpt_dir: str, iteration: int, model, *, sharded_extra: dict
         if os.path.isdir(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _atomic_write(os.path.join(ckpt_dir, LATEST), str(iteration))
+        atomic_write_text(os.path.join(ckpt_dir, LATEST), str(iteration))
         if keep_last:
             its = sorted(int(d[5:]) for d in os.listdir(ckpt_dir)
                          if d.startswith("iter_") and d[5:].isdigit())
@@ -216,12 +217,3 @@ def _copy_tokenizer(src: str, dst: str) -> None:
         if os.path.isfile(os.path.join(src, name)):
             shutil.copy2(os.path.join(src, name), os.path.join(tmp, name))
     os.replace(tmp, dst)
-
-
-def _atomic_write(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -29,6 +29,8 @@ re-exported here (:func:`is_degenerate`).
 
 from __future__ import annotations
 
+from megatron_jf.fileio import atomic_write_bytes
+
 import glob as _glob
 import hashlib
 import io
@@ -301,22 +303,6 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def _atomic_write_bytes(path: str, data: bytes) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.partial-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    _fsync_dir(directory)
-
-
 class TrajectoryShardWriter:
     """Write validated records into rolling, atomically-renamed WebDataset shards (see module docstring).
 
@@ -550,7 +536,7 @@ def write_manifest(
         "filtered": dict(filtered or {}),
         "extra": dict(extra or {}),
     }
-    _atomic_write_bytes(path, (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+    atomic_write_bytes(path, (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode("utf-8"))
 
 
 def read_manifest(path: str) -> dict:

@@ -26,6 +26,9 @@ atomically (temporary file + ``os.replace``).
 
 from __future__ import annotations
 
+from megatron_jf.fileio import atomic_write_bytes, atomic_write_text  # noqa: F401  (re-exported)
+from megatron_jf.inference.metrics import percentile  # noqa: F401  (re-exported)
+
 import hashlib
 import json
 import math
@@ -84,52 +87,7 @@ class LosslessViolation(AssertionError):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# small utilities
-
-
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same directory, fsync and ``os.replace``
-    (a reader sees the old file or the new one, never a partial one).
-
-    Raises:
-        OSError: the directory cannot be created or written (the target is left untouched).
-    """
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=d)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    """UTF-8 text version of :func:`atomic_write_bytes`."""
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile ``q`` in [0, 100] of ``values`` (NaN when empty).
-
-    Raises:
-        ValueError: ``q`` outside [0, 100].
-    """
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile q must be in [0, 100], got {q}")
-    xs = sorted(float(v) for v in values)
-    if not xs:
-        return float("nan")
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+# small utilities (atomic writes live in megatron_jf.fileio; re-exported here)
 
 
 def decode_config_from(decoder: str, **kw: Any):

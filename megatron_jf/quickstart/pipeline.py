@@ -32,6 +32,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from megatron_jf.fileio import atomic_write_json, atomic_write_text
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -105,9 +107,7 @@ class Pipeline:
         return self.path(f"{stage}.done").is_file()
 
     def mark(self, stage: str, info: dict) -> None:
-        tmp = self.path(f"{stage}.done.tmp")
-        tmp.write_text(json.dumps(info, indent=1))
-        os.replace(tmp, self.path(f"{stage}.done"))
+        atomic_write_json(self.path(f"{stage}.done"), info)
 
     def run(self, args: list, stage: str) -> None:
         cmd = [self.python, *(f"{a:g}" if isinstance(a, float) else a for a in args)]
@@ -259,11 +259,7 @@ class Pipeline:
         else:
             eval_rows = [{"id": f"{p.rel}:{p.line}", "prompt_ids": list(p.token_ids)} for p in evals]
         for name, rows in (("prompts_train.jsonl", train_rows), ("prompts_eval.jsonl", eval_rows)):
-            tmp = self.path(name + ".tmp")
-            with open(tmp, "w") as f:
-                for r in rows:
-                    f.write(json.dumps(r) + "\n")
-            os.replace(tmp, self.path(name))
+            atomic_write_text(self.path(name), "".join(json.dumps(r) + "\n" for r in rows))
         self.log(f"[prompts] {len(train_rows)} train prompts, {len(eval_rows)} evaluation prompts")
         return {"train": len(train_rows), "eval": len(eval_rows)}
 
@@ -319,7 +315,7 @@ def main(argv=None):
     elif preset.name == "default":
         print("default preset: model A end to end, about 25-30 minutes on an idle 2-core CPU.", flush=True)
     pipe = Pipeline(out, preset)
-    (out / "preset.json").write_text(json.dumps(asdict(preset), indent=1))
+    atomic_write_json(out / "preset.json", asdict(preset))
     try:
         pipe.execute(a.until)
     except RuntimeError as e:

@@ -14,6 +14,8 @@ import time
 import numpy as np
 import torch
 
+from megatron_jf.fileio import atomic_write_json, atomic_write_text
+
 
 def _load(path):
     from megatron_jf.checkpointing import load_model
@@ -120,9 +122,9 @@ def build_report(pipe) -> dict:
         r["distinct4"] = distinct4(o)
     summary = {"preset": p.name, "rows": rows, "tpf_by_block_size": curves, "eval_prompts": len(prompts),
                "response_tokens": R}
-    _write_json(out_dir / "report.json", summary)
+    atomic_write_json(out_dir / "report.json", summary)
     md = _markdown(summary)
-    (out_dir / "report.md").write_text(md)
+    atomic_write_text(out_dir / "report.md", md)
     _plots(out_dir, curves)
     _trajectory_picture(pipe, out_dir, prompts[0], tok)
     pipe.log("\n" + md)
@@ -160,13 +162,6 @@ def _markdown(s) -> str:
     for m, c in s["tpf_by_block_size"].items():
         lines.append(f"| {m} | " + " | ".join(f"{v:.2f}" for v in c.values()) + " |")
     return "\n".join(lines) + "\n"
-
-
-def _write_json(path, obj) -> None:
-    tmp = str(path) + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, default=str)
-    os.replace(tmp, path)
 
 
 def _plots(out_dir, curves) -> None:
