@@ -30,6 +30,7 @@ FORMAT = "megatron-jf/1"
 
 
 def iter_dir(ckpt_dir: str, iteration: int) -> str:
+    """The directory of one iteration: ``CKPT/iter_0000042``."""
     return os.path.join(ckpt_dir, f"iter_{iteration:07d}")
 
 

@@ -89,24 +89,28 @@ def is_rank0() -> bool:
 
 
 def tp_size() -> int:
+    """The tensor-parallel size (1 before :func:`initialize`)."""
     from megatron.core import parallel_state as ps
 
     return ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
 
 
 def pp_size() -> int:
+    """The pipeline-parallel size (1 before :func:`initialize`)."""
     from megatron.core import parallel_state as ps
 
     return ps.get_pipeline_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
 
 
 def dp_size() -> int:
+    """The data-parallel size (1 before :func:`initialize`)."""
     from megatron.core import parallel_state as ps
 
     return ps.get_data_parallel_world_size() if ps.model_parallel_is_initialized() else 1
 
 
 def dp_rank() -> int:
+    """This process's data-parallel rank (0 before :func:`initialize`)."""
     from megatron.core import parallel_state as ps
 
     return ps.get_data_parallel_rank() if ps.model_parallel_is_initialized() else 0

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def parse_args(argv=None):
+    """Parse the two sub-commands and their flags."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("hf-to-mcore", help="HF directory -> megatron-core distributed checkpoint")
@@ -43,6 +44,7 @@ def parse_args(argv=None):
 
 
 def hf_to_mcore_cmd(args) -> None:
+    """HF directory -> megatron-core distributed checkpoint at ``--tp``/``--pp`` (one process per rank)."""
     import torch.distributed as dist
 
     from megatron_jf import parallel
@@ -88,6 +90,7 @@ def hf_to_mcore_cmd(args) -> None:
 
 
 def mcore_to_hf_cmd(args) -> None:
+    """megatron-core checkpoint (any layout) -> HF directory, in one process."""
     from megatron_jf import parallel
     from megatron_jf.checkpointing import load_model, tokenizer_path
     from megatron_jf.hf_io import save_hf_checkpoint
@@ -105,6 +108,7 @@ def mcore_to_hf_cmd(args) -> None:
 
 
 def main(argv=None):
+    """CLI entry point; known input errors exit with ``error: ...``."""
     args = parse_args(argv)
     try:
         if args.cmd == "hf-to-mcore":

@@ -38,6 +38,7 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
 
 
 def decode_config(a):
+    """``DecodeConfig`` from parsed decoding flags (raises ValueError on bad values)."""
     from megatron_jf.inference.engine import DecodeConfig
 
     return DecodeConfig(decoder=a.decoder, block_size=a.block_size, num_blocks=a.num_blocks,
@@ -46,12 +47,14 @@ def decode_config(a):
 
 
 def sampling_params(a):
+    """``SamplingParams`` from parsed decoding flags (raises ValueError on bad values)."""
     from megatron_jf.inference.sampling import SamplingParams
 
     return SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
 
 
 def main(argv=None):
+    """CLI entry point (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", required=True, help="megatron-jf checkpoint directory")
     p.add_argument("--tokenizer", default=None, help="tokenizer path (default: CKPT/tokenizer)")

@@ -56,6 +56,7 @@ class ModelArgs:
 
     @property
     def family(self) -> str:
+        """``qwen2`` or ``llama`` (the HF ``model_type``)."""
         return SUPPORTED_ARCHITECTURES[self.architecture]
 
     # ------------------------------------------------------------------ HF config dicts
@@ -180,10 +181,12 @@ class ModelArgs:
 
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict:
+        """A JSON-serialisable dict (stored in checkpoint metadata)."""
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelArgs":
+        """Inverse of :meth:`to_dict`."""
         return cls(**d)
 
     def validate_parallel(self, tp: int, pp: int) -> None:
