@@ -48,13 +48,23 @@ def loss_func(batch, loss_cfg, vocab_size: int, output_tensor: torch.Tensor):
     Returns:
         ``(loss summed over samples, number of samples (int tensor), report)``: megatron-core divides
         by the count, so the step minimises the mean over samples. ``report`` values are
-        ``(sum, count)`` pairs: ``loss``, ``pc loss`` (L_pc), ``ar loss`` (L_AR), ``noisy acc``.
+        ``(sum, count)`` pairs: ``loss``, ``pc loss`` (L_pc), ``ar loss`` (L_AR), ``noisy acc``, and
+        ``anchor loss`` (L_anchor, mean nats per anchor token) when the batch carries anchor rows
+        (``--anchor-data``); then ``loss`` includes ``anchor_weight * L_anchor``.
     """
-    from megatron_jf.training.attention_paths import gather_jf_logits
-    from megatron_jf.training.losses import jf_loss
+    from megatron_jf.training.attention_paths import gather_anchor_logits, gather_jf_logits
+    from megatron_jf.training.losses import ANCHOR_METRIC, anchor_term, jf_loss
 
     loss_sum, report = jf_loss(gather_jf_logits(output_tensor, batch, vocab_size), loss_cfg)
-    return loss_sum, torch.tensor(batch.num_samples, dtype=torch.int), report
+    B = batch.num_samples
+    if batch.has_anchor:
+        add, metric = anchor_term(gather_anchor_logits(output_tensor, batch), batch.anchor_targets, B,
+                                  weight=loss_cfg.anchor_weight, vocab_size=vocab_size)
+        loss_sum = loss_sum + add
+        report["loss"] = report["loss"] + torch.stack([add.detach().double().reshape(()),
+                                                       torch.zeros((), dtype=torch.float64, device=add.device)])
+        report[ANCHOR_METRIC] = metric
+    return loss_sum, torch.tensor(B, dtype=torch.int), report
 
 
 def ar_loss_func(batch, vocab_size: int, output_tensor: torch.Tensor):

@@ -63,6 +63,10 @@ class Preset:
     jf_mbs: int = 8
     jf_lr: float = 3e-4
     jf_ar_weight: float = 1.0
+    # anchor: next-token CE on real corpus text in the same steps, so self-distillation on the model's own
+    # greedy outputs does not drift the model away from real text (held-out NLL is the quality gate)
+    anchor_weight: float = 1.0
+    anchor_mbs: int = 4
     n1: int = 16
     w1: int = 16
     n2: int = 32
@@ -291,7 +295,11 @@ class Pipeline:
     def stage_jf(self, stage: str, init: str, data: str, n: int, w: int, steps: int) -> dict:
         """One Jacobi Forcing round from ``init`` on trajectory shards ``data`` (block n, window w)."""
         p = self.p
-        self.run(["pretrain_jf.py", "--objective", "jf", "--load", self.path(init), "--data", self.path(data),
+        anchor = []
+        if p.anchor_weight > 0 and self.path("tokens_train.npy").exists():
+            anchor = ["--anchor-data", self.path("tokens_train.npy"), "--anchor-weight", p.anchor_weight,
+                      "--anchor-seq-length", p.pretrain_seq, "--anchor-micro-batch-size", p.anchor_mbs]
+        self.run(["pretrain_jf.py", "--objective", "jf", "--load", self.path(init), "--data", self.path(data), *anchor,
                   "--block-size", n, "--window-size", w, "--micro-batch-size", p.jf_mbs, "--train-steps", steps,
                   "--lr", p.jf_lr, "--min-lr", p.jf_lr / 10, "--warmup-steps", max(1, steps // 20),
                   "--ar-weight", p.jf_ar_weight, "--save", self.path(stage),

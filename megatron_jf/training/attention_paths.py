@@ -29,6 +29,7 @@ per-token Python loops and no host synchronisation.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Sequence
 
@@ -39,7 +40,8 @@ from megatron_jf.data.masks import MASK_KINDS, dense_mask_from_layout
 from megatron_jf.data.packing import IGNORE_INDEX, PackedSample
 from megatron_jf.training.losses import JFLossInputs
 
-__all__ = ["PATHS", "JFBatch", "build_jf_batch", "forward_model", "gather_jf_logits", "jf_forward"]
+__all__ = ["PATHS", "JFBatch", "build_jf_batch", "append_anchor_rows", "forward_model", "gather_jf_logits",
+           "gather_anchor_logits", "jf_forward"]
 
 PATHS = ("two_stream", "dense", "flex")
 
@@ -67,6 +69,11 @@ class JFBatch:
         max_blocks: ``max(num_blocks)`` (host int, so the loss needs no device sync).
         path, mask: the attention path and mask kind.
         sample_ids: the samples' ids.
+        anchor_index: int64 ``[K]`` flat index of the labelled positions of the anchor rows (real-text
+            next-token rows appended after the JF rows by :func:`append_anchor_rows`), or ``None``
+            when the batch carries no anchor rows.
+        anchor_targets: int64 ``[K]`` next-token ids at ``anchor_index`` (``None`` without anchor rows).
+        num_anchor_rows: ``A``, the anchor rows appended (rows ``R - A .. R - 1``; 0 without).
     """
 
     tokens: torch.Tensor
@@ -86,10 +93,17 @@ class JFBatch:
     path: str
     mask: str
     sample_ids: list[str] = field(default_factory=list)
+    anchor_index: torch.Tensor | None = None
+    anchor_targets: torch.Tensor | None = None
+    num_anchor_rows: int = 0
 
     @property
     def num_samples(self) -> int:
         return int(self.num_blocks.shape[0])
+
+    @property
+    def has_anchor(self) -> bool:
+        return self.anchor_index is not None
 
     def to(self, device) -> "JFBatch":
         """A copy with every tensor on ``device`` (non-blocking)."""
@@ -202,6 +216,79 @@ def build_jf_batch(samples: Sequence[PackedSample], *, path: str = "two_stream",
     )
 
 
+def append_anchor_rows(batch: JFBatch, text, *, pad_id: int = 0, pad_to: int | None = None) -> JFBatch:
+    """Append real-text next-token rows (the *anchor* term) to a JF microbatch as extra causal rows (CPU).
+
+    The JF rows keep their tokens, positions and attention exactly: if the common row length grows,
+    they are right-padded (token ``pad_id``, position 0), and on the dense path the mask is extended so
+    that no JF query sees a new key (new padding queries see only themselves, as existing padding does).
+    Anchor rows are ordinary causal sequences: two-stream keeps ``attention_mask=None``; the dense path
+    gives them a causal block (their padding queries see only themselves). The JF gather indices
+    (``student_index``, ``teacher_index``, ``ar_index``) are re-based to the new row length, so the
+    gathered JF logits are the same positions as before.
+
+    Args:
+        batch: a :class:`JFBatch` without anchor rows, ``R`` rows of length ``S``.
+        text: a :class:`~megatron_jf.data.text.TextBatch` (int64 ``tokens``/``labels``/``position_ids``
+            ``[A, S_a]``; labels :data:`~megatron_jf.data.packing.IGNORE_INDEX` where unlabelled).
+        pad_id: padding token id.
+        pad_to: the fixed row length (pipeline parallelism): ``S`` must equal it and ``S_a <= pad_to``.
+            ``None``: the common length is ``max(S, S_a)``.
+
+    Returns:
+        A new :class:`JFBatch` with ``R + A`` rows of length ``S' = pad_to or max(S, S_a)``,
+        ``anchor_index [K]`` (flat indices into ``[(R + A) * S']``, ordered by (row, position)),
+        ``anchor_targets [K]``, ``num_anchor_rows = A``; ``num_tokens`` grows by ``A * S_a``.
+
+    Raises:
+        ValueError: the batch already has anchor rows, an empty text batch, or rows longer than ``pad_to``.
+    """
+    if batch.has_anchor:
+        raise ValueError("the batch already carries anchor rows")
+    a_tok, a_lab, a_pos = text.tokens, text.labels, text.position_ids
+    if a_tok.dim() != 2 or a_tok.shape[0] == 0 or a_lab.shape != a_tok.shape or a_pos.shape != a_tok.shape:
+        raise ValueError(f"anchor text batch must be non-empty [A, S_a] tokens/labels/positions, got "
+                         f"{tuple(a_tok.shape)}, {tuple(a_lab.shape)}, {tuple(a_pos.shape)}")
+    R, S = batch.tokens.shape
+    A, Sa = a_tok.shape
+    if pad_to is not None:
+        if S != pad_to or Sa > pad_to:
+            raise ValueError(f"with a fixed row length {pad_to} (pipeline parallelism) the JF rows ({S}) must have "
+                             f"it and the anchor rows ({Sa}) must fit it (--anchor-seq-length <= --seq-length)")
+        S2 = pad_to
+    else:
+        S2 = max(S, Sa)
+
+    def widen(t: torch.Tensor, fill: int) -> torch.Tensor:
+        if t.shape[1] == S2:
+            return t
+        out = torch.full((t.shape[0], S2), fill, dtype=t.dtype)
+        out[:, : t.shape[1]] = t
+        return out
+
+    tokens = torch.cat([widen(batch.tokens, pad_id), widen(a_tok.to(batch.tokens.dtype), pad_id)])
+    positions = torch.cat([widen(batch.position_ids, 0), widen(a_pos.to(batch.position_ids.dtype), 0)])
+    attn = None
+    if batch.attention_mask is not None:
+        q = torch.arange(S2)
+        eye = (q[:, None] == q[None, :])
+        jf = eye.expand(R, S2, S2).clone()  # new padding queries: only themselves (as masks.py pads)
+        jf[:, :S, :S] = ~batch.attention_mask[:, 0].cpu()  # allowed = not masked out
+        causal = (q[None, :] <= q[:, None]) & (q[:, None] < Sa)
+        an = (causal | eye).expand(A, S2, S2)
+        attn = ~torch.cat([jf, an]).unsqueeze(1)  # [R + A, 1, S2, S2], True = masked out
+
+    def rebase(idx: torch.Tensor) -> torch.Tensor:
+        return idx if S2 == S else torch.div(idx, S, rounding_mode="floor") * S2 + idx % S
+
+    a_r, a_j = torch.nonzero(a_lab != IGNORE_INDEX, as_tuple=True)
+    return dataclasses.replace(
+        batch, tokens=tokens, position_ids=positions, attention_mask=attn,
+        student_index=rebase(batch.student_index), teacher_index=rebase(batch.teacher_index),
+        ar_index=rebase(batch.ar_index), num_tokens=batch.num_tokens + A * Sa,
+        anchor_index=(a_r + R) * S2 + a_j, anchor_targets=a_lab[a_r, a_j].to(torch.int64), num_anchor_rows=A)
+
+
 def forward_model(model, batch: JFBatch) -> torch.Tensor:
     """Run ``model`` (any wrapper of :class:`~megatron_jf.models.gpt.JFGPTModel`) on the batch.
 
@@ -235,6 +322,20 @@ def gather_jf_logits(logits: torch.Tensor, batch: JFBatch, vocab_size: int | Non
         vocab_size=vocab_size,
         max_blocks=batch.max_blocks,
     )
+
+
+def gather_anchor_logits(logits: torch.Tensor, batch: JFBatch) -> torch.Tensor:
+    """Logits ``[K, V_local]`` at the anchor rows' labelled positions (one index gather; gradient flows).
+
+    Args:
+        logits: ``[R, S, V_local]`` from :func:`forward_model` on a batch built by :func:`append_anchor_rows`.
+
+    Raises:
+        ValueError: the batch carries no anchor rows.
+    """
+    if not batch.has_anchor:
+        raise ValueError("the batch carries no anchor rows")
+    return logits.reshape(-1, logits.shape[-1]).index_select(0, batch.anchor_index)
 
 
 def jf_forward(model, batch: JFBatch) -> JFLossInputs:

@@ -32,7 +32,14 @@ Total objective (paper Eq. 9)::
 * **L_AR**: next-token cross-entropy on the clean stream against the fixed-point tokens (AR targets),
   averaged over the sample's AR positions.
 
-Each sample contributes ``pc_weight * L_pc + ar_weight * L_AR``; a microbatch returns the **sum over
+* **L_anchor** (optional, ``anchor_weight > 0``; not in the paper): ordinary next-token cross-entropy
+  on *real* corpus text carried as extra causal rows of the same microbatch, averaged over the
+  microbatch's anchor tokens (:func:`anchor_term`). It keeps the self-distillation on the model's own
+  greedy outputs from drifting away from real text. Then ``L = pc_weight L_pc + ar_weight L_AR +
+  anchor_weight L_anchor``.
+
+Each sample contributes ``pc_weight * L_pc + ar_weight * L_AR`` (plus ``anchor_weight * L_anchor``, the
+microbatch's anchor mean, per sample); a microbatch returns the **sum over
 its samples** and the number of samples, which is megatron-core's ``(loss, num_tokens, report)``
 contract with "tokens" = samples, so the schedule's division gives the mean over samples.
 
@@ -71,7 +78,9 @@ __all__ = [
     "vocab_parallel_argmax",
     "jf_loss",
     "ar_loss",
+    "anchor_term",
     "METRIC_KEYS",
+    "ANCHOR_METRIC",
 ]
 
 IGNORE_INDEX = -100
@@ -80,6 +89,8 @@ PC_NORMALIZATIONS = ("paper", "reference")
 #: Keys of the report dict returned by :func:`jf_loss` / :func:`ar_loss`; each value is a float64
 #: tensor ``[2] = (sum, count)`` so that microbatches and data-parallel ranks reduce by summing.
 METRIC_KEYS = ("loss", "pc loss", "ar loss", "noisy acc")
+#: Report key of the anchor term (present only in reports of microbatches that carry anchor rows).
+ANCHOR_METRIC = "anchor loss"
 
 
 @dataclass(frozen=True)
@@ -92,6 +103,7 @@ class LossConfig:
         pc_weight: weight of L_pc (>= 0).
         ar_weight: weight ``w`` of L_AR (>= 0).
         pc_normalization: ``"paper"`` | ``"reference"``.
+        anchor_weight: weight ``lambda`` of the anchor term L_anchor (>= 0; 0 = off).
 
     Raises:
         ValueError: unknown loss kind or normalisation, non-positive temperature, negative weights.
@@ -102,6 +114,7 @@ class LossConfig:
     pc_weight: float = 1.0
     ar_weight: float = 1.0
     pc_normalization: str = "paper"
+    anchor_weight: float = 0.0
 
     def __post_init__(self):
         if self.consistency_loss not in CONSISTENCY_LOSSES:
@@ -110,8 +123,9 @@ class LossConfig:
             raise ValueError(f"unknown pc normalization {self.pc_normalization!r}; expected one of {PC_NORMALIZATIONS}")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if self.pc_weight < 0 or self.ar_weight < 0:
-            raise ValueError(f"loss weights must be >= 0, got pc_weight={self.pc_weight}, ar_weight={self.ar_weight}")
+        if self.pc_weight < 0 or self.ar_weight < 0 or self.anchor_weight < 0:
+            raise ValueError(f"loss weights must be >= 0, got pc_weight={self.pc_weight}, ar_weight={self.ar_weight}, "
+                             f"anchor_weight={self.anchor_weight}")
 
 
 # ----------------------------------------------------------------------------- TP helpers
@@ -415,3 +429,35 @@ def ar_loss(logits: torch.Tensor, labels: torch.Tensor, *, vocab_size: int | Non
         "noisy acc": _metric(zero, 0),
     }
     return loss_sum, torch.tensor(n, dtype=torch.int), report
+
+
+def anchor_term(anchor_logits: torch.Tensor, anchor_targets: torch.Tensor, num_samples: int, *, weight: float,
+                vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The anchor term of one JF microbatch: next-token CE on real-text rows.
+
+    ``L_anchor`` is the mean (nats per token) of the vocab-parallel cross-entropy over the microbatch's
+    ``K`` anchor tokens. Since a JF microbatch's loss is a **sum over its ``B`` samples** (the schedule
+    divides by ``B``), the term is added as ``weight * B * L_anchor``, so the step minimises
+    ``mean_b(pc_weight L_pc + ar_weight L_AR) + weight * L_anchor``.
+
+    Args:
+        anchor_logits: float ``[K, V_local]`` vocab-parallel logits at the anchor positions (gradient flows).
+        anchor_targets: int64 ``[K]`` next-token ids.
+        num_samples: ``B``, the JF samples of the microbatch (>= 1).
+        weight: ``anchor_weight`` (>= 0).
+        vocab_size: real vocabulary size (padding columns excluded).
+
+    Returns:
+        ``(loss_add, metric)``: the float32 scalar ``weight * B * L_anchor`` to add to the JF loss sum,
+        and the report value ``(B * L_anchor, B)`` (float64 ``[2]``) for :data:`ANCHOR_METRIC`, so that
+        the reduced report gives ``loss = pc_weight L_pc + ar_weight L_AR + weight L_anchor`` exactly.
+
+    Raises:
+        ValueError: ``K == 0``, ``B < 1``, negative weight, or shape / target errors of :func:`vocab_parallel_ce`.
+    """
+    if anchor_targets.numel() == 0:
+        raise ValueError("the anchor rows have no labelled token")
+    if num_samples < 1 or weight < 0:
+        raise ValueError(f"need num_samples >= 1 and weight >= 0, got {num_samples}, {weight}")
+    mean = vocab_parallel_ce(anchor_logits, anchor_targets, vocab_size=vocab_size).mean()
+    return (weight * num_samples) * mean, _metric(mean * num_samples, num_samples)

@@ -31,6 +31,17 @@ Checkpoints (:mod:`megatron_jf.checkpointing`, atomic)
     exactly: the remaining steps see the same data, learning rates, optimizer state and weights as an
     uninterrupted run, so they produce identical losses. ``--load`` initialises the weights only
     (e.g. a checkpoint converted with ``tools/convert_hf.py``) and starts at iteration 0.
+
+Anchor term (``--anchor-data``/``--anchor-weight``, JF objective only)
+    Self-distillation on the model's own greedy outputs can drift away from real text (held-out NLL
+    rises). With ``--anchor-weight lambda > 0`` every JF microbatch also carries ``--anchor-micro-batch-size``
+    rows of real corpus text (:class:`~megatron_jf.data.text.TokenChunkDataset`, ``--anchor-seq-length``
+    tokens each, split over DP ranks, shuffled with ``--seed``), appended as extra causal rows of the same
+    model input (:func:`~megatron_jf.training.attention_paths.append_anchor_rows`), and the step minimises
+    ``pc_weight L_pc + ar_weight L_AR + lambda L_anchor`` with ``L_anchor`` the mean next-token CE over the
+    microbatch's anchor tokens. The anchor stream's position is saved in the checkpoint's common state
+    (``anchor_data``) and restored exactly on resume. Validation does not evaluate the anchor term
+    (``--valid-data`` holds trajectories; its reports have no ``anchor loss``).
 """
 
 from __future__ import annotations
@@ -52,12 +63,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_jf import parallel, platform
-from megatron_jf.training.losses import CONSISTENCY_LOSSES, METRIC_KEYS, PC_NORMALIZATIONS, LossConfig
+from megatron_jf.training.losses import ANCHOR_METRIC, CONSISTENCY_LOSSES, METRIC_KEYS, PC_NORMALIZATIONS, LossConfig
 
 __all__ = [
     "TrainConfig",
     "DatasetSpec",
     "MicrobatchStream",
+    "AnchoredStream",
     "Trainer",
     "build_parser",
     "parse_config",
@@ -147,6 +159,15 @@ class TrainConfig:
     """Weight ``w`` of L_AR (paper Eq. 9; reference code uses 10)."""
     pc_normalization: str = "paper"
     """``paper`` (per-block mean, then 1/N over blocks) | ``reference`` (mean over positions / N)."""
+    anchor_data: list[str] | None = None
+    """Real-text token files (``.npy``/``.bin``/``.jsonl`` as ``--objective ar``; JSONL needs ``--tokenizer``)
+    for the anchor term L_anchor (next-token CE on real text, trained in the same steps)."""
+    anchor_weight: float = 0.0
+    """Weight ``lambda`` of L_anchor (0 = off; > 0 needs ``--anchor-data``)."""
+    anchor_seq_length: int = 256
+    """Tokens per anchor row (<= the model context; <= ``--seq-length`` under pipeline parallelism)."""
+    anchor_micro_batch_size: int | None = None
+    """Anchor text rows per JF microbatch; default ``--micro-batch-size``."""
 
     # --- optimisation
     micro_batch_size: int = 1
@@ -194,7 +215,7 @@ class TrainConfig:
     def loss_config(self) -> LossConfig:
         return LossConfig(consistency_loss=self.consistency_loss, temperature=self.kl_temperature,
                           pc_weight=self.pc_weight, ar_weight=self.ar_weight,
-                          pc_normalization=self.pc_normalization)
+                          pc_normalization=self.pc_normalization, anchor_weight=self.anchor_weight)
 
     def validate(self) -> "TrainConfig":
         """Check values that do not need the data or the model.
@@ -232,6 +253,15 @@ class TrainConfig:
         need(self.save_interval is None or self.save is not None, "--save-interval needs --save")
         need(self.eval_interval is None or self.valid_data, "--eval-interval needs --valid-data")
         need(self.seq_length is None or self.seq_length >= 1, "--seq-length must be >= 1")
+        need(self.anchor_weight >= 0, f"--anchor-weight must be >= 0, got {self.anchor_weight}")
+        need(not (self.anchor_data and self.anchor_weight == 0),
+             "--anchor-data is given but --anchor-weight is 0 (the anchor term would be computed and ignored); "
+             "set --anchor-weight > 0 or drop --anchor-data")
+        need(not (self.anchor_weight > 0 and not self.anchor_data), "--anchor-weight > 0 needs --anchor-data")
+        need(self.anchor_seq_length >= 1, f"--anchor-seq-length must be >= 1, got {self.anchor_seq_length}")
+        need(self.anchor_micro_batch_size is None or self.anchor_micro_batch_size >= 1,
+             f"--anchor-micro-batch-size must be >= 1, got {self.anchor_micro_batch_size}")
+        need(not (self.anchor_data and self.objective != "jf"), "--anchor-data needs --objective jf")
         if self.objective == "jf":
             need(self.block_size is not None and self.block_size >= 1,
                  "--block-size is required for --objective jf (the block size n of the trajectory shards)")
@@ -247,6 +277,18 @@ class TrainConfig:
         need(self.hf_config or self.load or self.save,
              "no model: give --hf-config (from scratch), --load (a checkpoint) or --save with a checkpoint to resume")
         return self
+
+    @property
+    def anchor_on(self) -> bool:
+        """Whether JF microbatches carry anchor rows."""
+        return bool(self.anchor_data) and self.anchor_weight > 0
+
+    @property
+    def anchor_mbs(self) -> int:
+        """Anchor rows per microbatch (0 when the anchor term is off)."""
+        if not self.anchor_on:
+            return 0
+        return self.anchor_micro_batch_size or self.micro_batch_size
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -296,6 +338,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pc-weight", type=float, default=d.pc_weight, help="weight of L_pc")
     g.add_argument("--ar-weight", type=float, default=d.ar_weight, help="weight of L_AR (reference: 10)")
     g.add_argument("--pc-normalization", choices=PC_NORMALIZATIONS, default=d.pc_normalization)
+    g.add_argument("--anchor-data", nargs="+", default=None, metavar="PATH",
+                   help="real-text token files (.npy/.bin/.jsonl) for the anchor term (next-token CE on real "
+                        "text in the same steps; JSONL needs --tokenizer)")
+    g.add_argument("--anchor-weight", type=float, default=d.anchor_weight,
+                   help="weight of the anchor term (0 = off; > 0 needs --anchor-data)")
+    g.add_argument("--anchor-seq-length", type=int, default=d.anchor_seq_length, help="tokens per anchor row")
+    g.add_argument("--anchor-micro-batch-size", type=int, default=None,
+                   help="anchor text rows per JF microbatch (default: --micro-batch-size)")
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
@@ -440,6 +490,36 @@ class MicrobatchStream:
         self._it = None
 
 
+class AnchoredStream:
+    """JF microbatches with anchor text rows appended (``--anchor-data``), advancing both streams in lockstep.
+
+    Args:
+        jf: the JF :class:`MicrobatchStream`.
+        anchor: a :class:`MicrobatchStream` of :class:`~megatron_jf.data.text.TextBatch` (``A`` rows each).
+        combine: ``(JFBatch, TextBatch) -> JFBatch`` (e.g. a partial of
+            :func:`~megatron_jf.training.attention_paths.append_anchor_rows`).
+
+    ``tokens`` counts the model-input tokens of both streams; the positions (and so the exact resume)
+    are the two streams' own :meth:`MicrobatchStream.state_dict`.
+    """
+
+    def __init__(self, jf: MicrobatchStream, anchor: MicrobatchStream, combine: Callable[[Any, Any], Any]):
+        self.jf = jf
+        self.anchor = anchor
+        self.combine = combine
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self.jf)
+        return self.combine(batch, next(self.anchor))
+
+    @property
+    def tokens(self) -> int:
+        return self.jf.tokens + self.anchor.tokens
+
+
 def _eval_batches(spec: DatasetSpec, mb: int, limit: int) -> Iterator:
     ds = spec.dataset
     ds.set_epoch(0)
@@ -564,7 +644,7 @@ class Trainer:
         self.module = unwrap(model)
         self.seq_length = effective_seq_length(cfg, self.model_args.max_position_embeddings)
         self.rows_per_micro = cfg.micro_batch_size * (2 if cfg.objective == "jf" and cfg.attention_path == "two_stream"
-                                                      else 1)
+                                                      else 1) + cfg.anchor_mbs
 
         # ---- wrap for data parallelism and build the optimizer
         self.model = self._wrap(model)
@@ -583,6 +663,9 @@ class Trainer:
         # ---- data
         train_spec, valid_spec = datasets_provider(cfg, self.model_args)
         self.train_stream = MicrobatchStream(train_spec, cfg.micro_batch_size, cfg.num_workers)
+        self.anchor_stream = self._anchor_stream() if cfg.anchor_on else None
+        self.train_iter = (AnchoredStream(self.train_stream, self.anchor_stream, self._anchor_combine)
+                           if self.anchor_stream is not None else self.train_stream)
         self.valid_spec = valid_spec
         self.iteration = 0
 
@@ -599,6 +682,39 @@ class Trainer:
         self.history: list[dict] = []
 
     # ------------------------------------------------------------------ setup helpers
+    def _anchor_stream(self) -> MicrobatchStream:
+        """The anchor text stream of this DP rank, and ``self._anchor_combine`` (appends its rows).
+
+        Raises:
+            ValueError / FileNotFoundError: unreadable or too short anchor data, ids outside the vocabulary
+                (on reading), ``--anchor-seq-length`` beyond the model context or (pp > 1) ``--seq-length``.
+        """
+        from functools import partial
+
+        from megatron_jf.data.text import TokenChunkDataset, collate_text
+        from megatron_jf.training.attention_paths import append_anchor_rows
+
+        cfg, args = self.cfg, self.model_args
+        if cfg.anchor_seq_length > args.max_position_embeddings:
+            raise ValueError(f"--anchor-seq-length {cfg.anchor_seq_length} exceeds the model's context of "
+                             f"{args.max_position_embeddings}")
+        pad_to = self.seq_length if cfg.pp > 1 else None
+        if pad_to is not None and cfg.anchor_seq_length > pad_to:
+            raise ValueError(f"--anchor-seq-length {cfg.anchor_seq_length} exceeds the fixed row length "
+                             f"--seq-length {pad_to} (pipeline parallelism pads every row to it)")
+        tok = None
+        if cfg.tokenizer:
+            from megatron_jf.tokenizer import load_tokenizer
+
+            tok = load_tokenizer(cfg.tokenizer)
+        ds = TokenChunkDataset(cfg.anchor_data, cfg.anchor_seq_length, tokenizer=tok, vocab_size=args.vocab_size,
+                               seed=cfg.seed, shuffle=True, rank=self.ps.get_data_parallel_rank(),
+                               world_size=self.dp)
+        pad = args.pad_token_id if args.pad_token_id is not None else (
+            args.eos_token_ids[0] if args.eos_token_ids else 0)
+        self._anchor_combine = partial(append_anchor_rows, pad_id=int(pad), pad_to=pad_to)
+        return MicrobatchStream(DatasetSpec(ds, collate_text), cfg.anchor_mbs, 0)
+
     def _model_args(self, checkpointing):
         from megatron_jf.models.hf_config import ModelArgs
 
@@ -711,6 +827,7 @@ class Trainer:
 
     def _common(self) -> dict:
         return {"iteration": self.iteration, "data": self.train_stream.state_dict(),
+                "anchor_data": self.anchor_stream.state_dict() if self.anchor_stream is not None else None,
                 "consumed_samples": self.iteration * self.global_batch_size, "dp": self.dp,
                 "objective": self.cfg.objective, "block_size": self.cfg.block_size,
                 "optimizer": "megatron" if self.use_mopt else "torch_adamw", "config": self.cfg.to_json()}
@@ -761,6 +878,12 @@ class Trainer:
                 torch.cuda.set_rng_state(r["cuda"])
         self.iteration = int(common["iteration"])
         self.train_stream.load_state_dict(common["data"])
+        if self.anchor_stream is not None:
+            if common.get("anchor_data"):
+                self.anchor_stream.load_state_dict(common["anchor_data"])
+            else:
+                self._print("note: the checkpoint holds no anchor-data position (saved without --anchor-data); "
+                            "the anchor stream starts from its beginning")
         self._print(f"resumed from {cfg.save} iteration {self.iteration}")
 
     # ------------------------------------------------------------------ steps
@@ -775,25 +898,30 @@ class Trainer:
     def _reduce(self, reports: list[dict], extra: list[float]) -> dict[str, float]:
         """Sum ``(sum, count)`` reports over microbatches and data-parallel replicas (world all-reduce;
         only one rank per replica contributes: the last stage's TP rank 0)."""
-        n = len(METRIC_KEYS)
+        keys = METRIC_KEYS + (ANCHOR_METRIC,)  # the anchor key only in reports of anchored microbatches
+        n = len(keys)
         vec = torch.zeros(2 * n + len(extra), dtype=torch.float64)
         if self._is_loss_rank():
             for r in reports:
-                for i, k in enumerate(METRIC_KEYS):
-                    vec[2 * i: 2 * i + 2] += r[k].detach().double().cpu()
+                for i, k in enumerate(keys):
+                    if k in r:
+                        vec[2 * i: 2 * i + 2] += r[k].detach().double().cpu()
             vec[2 * n:] = torch.tensor(extra, dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             v = vec.to(self.device)
             dist.all_reduce(v)
             vec = v.cpu()
         out = {k: float(vec[2 * i] / vec[2 * i + 1]) if vec[2 * i + 1] > 0 else float("nan")
-               for i, k in enumerate(METRIC_KEYS)}
+               for i, k in enumerate(keys)}
+        if not vec[2 * keys.index(ANCHOR_METRIC) + 1] > 0:
+            del out[ANCHOR_METRIC]  # no anchored microbatch (anchor off, or validation)
         out["extra"] = vec[2 * n:].tolist()
         return out
 
     def train_step(self) -> dict:
         """One optimizer step over ``num_microbatches`` microbatches; returns its metrics
-        (``loss``, ``pc loss``, ``ar loss``, ``noisy acc``, ``lr``, ``grad norm``, ``tokens``, ``time``)."""
+        (``loss``, ``pc loss``, ``ar loss``, ``noisy acc``, ``anchor loss`` (only when on), ``lr``,
+        ``grad norm``, ``tokens``, ``time``)."""
         t0 = time.perf_counter()
         self.model.train()
         if self.use_mopt:
@@ -801,8 +929,8 @@ class Trainer:
             self.optimizer.zero_grad()
         else:
             self.optimizer.zero_grad(set_to_none=True)
-        tok0 = self.train_stream.tokens
-        reports = self._run_schedule(self.train_stream, self.num_micro, forward_only=False)
+        tok0 = self.train_iter.tokens
+        reports = self._run_schedule(self.train_iter, self.num_micro, forward_only=False)
         lr = lr_at(self.iteration + 1, self.cfg)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
@@ -813,7 +941,7 @@ class Trainer:
             grad_norm = clip_grad_norm_tp(self._params(), self.cfg.clip_grad)
             self.optimizer.step()
         self.iteration += 1
-        m = self._reduce(reports, [float(self.train_stream.tokens - tok0)])
+        m = self._reduce(reports, [float(self.train_iter.tokens - tok0)])
         tokens = m.pop("extra")[0]
         m.update({"iteration": self.iteration, "lr": lr, "grad norm": grad_norm, "tokens": tokens,
                   "time": time.perf_counter() - t0})
@@ -872,7 +1000,10 @@ class Trainer:
     def _format(self, split: str, m: dict) -> str:
         parts = [f"{split} step {m['iteration']}/{self.cfg.train_steps}", f"loss {m['loss']:.4f}"]
         if self.cfg.objective == "jf":
-            parts += [f"L_pc {m['pc loss']:.4f}", f"L_AR {m['ar loss']:.4f}", f"noisy acc {m['noisy acc']:.3f}"]
+            parts += [f"L_pc {m['pc loss']:.4f}", f"L_AR {m['ar loss']:.4f}"]
+            if math.isfinite(m.get("anchor loss", float("nan"))):
+                parts.append(f"anchor loss {m['anchor loss']:.4f}")
+            parts.append(f"noisy acc {m['noisy acc']:.3f}")
         if split == "train":
             parts += [f"lr {m['lr']:.3e}", f"grad norm {m['grad norm']:.3f}", f"tok/s {m['tokens per s']:.0f}"]
         return " | ".join(parts)
@@ -893,18 +1024,19 @@ class Trainer:
                 self._bar = None
         acc: dict[str, float] = {}
         nacc = 0
+        mkeys = ("loss", "pc loss", "ar loss", "noisy acc") + (("anchor loss",) if cfg.anchor_on else ())
         try:
             while self.iteration < cfg.train_steps:
                 m = self.train_step()
                 self.history.append(m)
                 if self._bar is not None:
                     self._bar.update(1)
-                for k in ("loss", "pc loss", "ar loss", "noisy acc", "tokens", "time"):
+                for k in mkeys + ("tokens", "time"):
                     acc[k] = acc.get(k, 0.0) + m[k]
                 nacc += 1
                 it = self.iteration
                 if it % cfg.log_interval == 0 or it == cfg.train_steps:
-                    lm = {k: acc[k] / nacc for k in ("loss", "pc loss", "ar loss", "noisy acc")}
+                    lm = {k: acc[k] / nacc for k in mkeys}
                     lm.update({"iteration": it, "lr": m["lr"], "grad norm": m["grad norm"],
                                "tokens per s": acc["tokens"] / max(acc["time"], 1e-9),
                                "step time": acc["time"] / nacc})
