@@ -72,7 +72,7 @@ class Preset:
     n2: int = 32
     w2: int = 8
     eval_block_sizes: tuple = (8, 16, 32, 64)
-    timing_prompts: int = 12
+    timing_prompts: int = 6
     nll_chunks: int = 64
     threads: int = 2
     # The tiny model's greedy continuations loop (a 5M-parameter model trained for minutes); filtering
