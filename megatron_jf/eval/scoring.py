@@ -298,22 +298,9 @@ def write_jsonl_atomic(path: str, records: Iterable[dict[str, Any]]) -> None:
         TypeError: a record is not JSON-serialisable (the target file is left untouched).
         OSError: the directory is not writable.
     """
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=d)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for r in records:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    from megatron_jf.fileio import atomic_write_text
+
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
 class ResultsWriter:
