@@ -46,7 +46,8 @@ def run_case(mode, case, family, tied, tp, pp):
         ref = torch.stack([hf(tokens[i:i + 1], position_ids=pos[i:i + 1]).logits[0] for i in range(2)])
     if mode == "tp":
         out = forward_logits(model, tokens, pos)
-        print(f"PARITY {case} {(out - ref).abs().max().item():.3e}", flush=True)
+        if ps.get_tensor_model_parallel_rank() == 0:  # one writer: two ranks' lines can interleave on stdout
+            print(f"PARITY {case} {(out - ref).abs().max().item():.3e}", flush=True)
     else:
         config = model.config
         config.variable_seq_lengths = False
