@@ -52,7 +52,7 @@ from .schedule import SCHEDULES, derive_seed
 from .shards import ShardEntry, expand_sources, index_shard, read_record
 from .trajectory import TrajectoryRecord
 
-__all__ = ["TrajectoryDataset", "collate_packed", "collate_two_stream", "portable_permutation"]
+__all__ = ["EpochCursor", "TrajectoryDataset", "collate_packed", "collate_two_stream", "portable_permutation"]
 
 
 def portable_permutation(n: int, seed: int) -> torch.Tensor:
@@ -70,7 +70,58 @@ def portable_permutation(n: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(np.argsort(x, kind="stable").astype(np.int64))
 
 
-class TrajectoryDataset(IterableDataset):
+class EpochCursor:
+    """Where a rank is in its sample order: ``epoch`` and ``start`` (samples of this rank already consumed).
+
+    Shared by :class:`TrajectoryDataset` and :class:`~megatron_jf.data.text.TokenChunkDataset`; the class
+    provides ``samples_per_rank`` and ``seed``. A trainer stores :meth:`state_dict` in its checkpoint and
+    resumes exactly with :meth:`load_state_dict`.
+    """
+
+    epoch: int = 0
+    start: int = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch (a new shuffle, and optionally a new noise draw); resets the start to 0.
+
+        Raises:
+            ValueError: ``epoch < 0``.
+        """
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        self.epoch = int(epoch)
+        self.start = 0
+
+    def set_start(self, num_consumed: int) -> None:
+        """Resume the current epoch after ``num_consumed`` samples of this rank's list.
+
+        Raises:
+            ValueError: ``num_consumed`` outside ``[0, samples_per_rank]``.
+        """
+        if not 0 <= num_consumed <= self.samples_per_rank:
+            raise ValueError(f"num_consumed must be in [0, {self.samples_per_rank}], got {num_consumed}")
+        self.start = int(num_consumed)
+
+    def state_dict(self) -> dict:
+        """``{"epoch", "num_consumed", "seed"}``."""
+        return {"epoch": self.epoch, "num_consumed": self.start, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`.
+
+        Raises:
+            ValueError: the stored ``seed`` differs from this dataset's (the order would not be the same).
+        """
+        if int(state["seed"]) != self.seed:
+            raise ValueError(f"state seed {state['seed']} != dataset seed {self.seed}")
+        self.set_epoch(int(state["epoch"]))
+        self.set_start(int(state["num_consumed"]))
+
+    def __len__(self) -> int:
+        return self.samples_per_rank - self.start
+
+
+class TrajectoryDataset(EpochCursor, IterableDataset):
     """Iterable dataset of :class:`~megatron_jf.data.packing.PackedSample` over trajectory shards.
 
     Args:
@@ -181,30 +232,6 @@ class TrajectoryDataset(IterableDataset):
         N, W = self.num_samples, self.world_size
         return N // W if self.remainder == "drop" else -(-N // W)
 
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch (changes the shuffle and, optionally, the random noise draw); resets the start to 0."""
-        if epoch < 0:
-            raise ValueError(f"epoch must be >= 0, got {epoch}")
-        self.epoch = int(epoch)
-        self.start = 0
-
-    def set_start(self, num_consumed: int) -> None:
-        """Resume the current epoch after ``num_consumed`` samples of this rank's list."""
-        if not 0 <= num_consumed <= self.samples_per_rank:
-            raise ValueError(f"num_consumed must be in [0, {self.samples_per_rank}], got {num_consumed}")
-        self.start = int(num_consumed)
-
-    def state_dict(self) -> dict:
-        """``{"epoch", "num_consumed", "seed"}`` -- the trainer should store its own consumed count."""
-        return {"epoch": self.epoch, "num_consumed": self.start, "seed": self.seed}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` (``seed`` must match the dataset's)."""
-        if int(state["seed"]) != self.seed:
-            raise ValueError(f"state seed {state['seed']} != dataset seed {self.seed}")
-        self.set_epoch(int(state["epoch"]))
-        self.set_start(int(state["num_consumed"]))
-
     def rank_indices(self, epoch: int | None = None) -> torch.Tensor:
         """int64 ``[samples_per_rank]``: global sample indices of this rank for ``epoch``, in yield order."""
         epoch = self.epoch if epoch is None else epoch
@@ -222,9 +249,6 @@ class TrajectoryDataset(IterableDataset):
         idx = self.rank_indices()[self.start :]
         chunk = torch.arange(idx.shape[0]) // self.batch_size
         return idx[chunk % num_workers == worker_id]
-
-    def __len__(self) -> int:
-        return self.samples_per_rank - self.start
 
     # ------------------------------------------------------------------ reading
     def read_record(self, index: int, handles: dict[int, BinaryIO] | None = None) -> TrajectoryRecord:

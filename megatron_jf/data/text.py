@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
+from .dataset import EpochCursor
 from .schedule import derive_seed
 
 __all__ = ["TextSample", "TextBatch", "TokenChunkDataset", "collate_text", "load_token_stream"]
@@ -99,7 +100,7 @@ def load_token_stream(paths: str | Sequence[str], *, tokenizer=None, eos_id: int
     return np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
 
 
-class TokenChunkDataset(IterableDataset):
+class TokenChunkDataset(EpochCursor, IterableDataset):
     """Fixed-length next-token samples over a token stream (see the module docstring).
 
     Args:
@@ -147,22 +148,6 @@ class TokenChunkDataset(IterableDataset):
     def samples_per_rank(self) -> int:
         return self.num_samples // self.world_size
 
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch (a new permutation when shuffling); resets the start to 0."""
-        if epoch < 0:
-            raise ValueError(f"epoch must be >= 0, got {epoch}")
-        self.epoch = int(epoch)
-        self.start = 0
-
-    def set_start(self, num_consumed: int) -> None:
-        """Resume the current epoch after ``num_consumed`` samples of this rank's list."""
-        if not 0 <= num_consumed <= self.samples_per_rank:
-            raise ValueError(f"num_consumed must be in [0, {self.samples_per_rank}], got {num_consumed}")
-        self.start = int(num_consumed)
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "num_consumed": self.start, "seed": self.seed}
-
     def rank_indices(self, epoch: int | None = None) -> torch.Tensor:
         """int64 ``[samples_per_rank]``: this rank's sample indices for ``epoch`` in yield order."""
         epoch = self.epoch if epoch is None else epoch
@@ -173,9 +158,6 @@ class TokenChunkDataset(IterableDataset):
         else:
             perm = torch.arange(N, dtype=torch.int64)
         return perm[: self.samples_per_rank * W][self.rank :: W]
-
-    def __len__(self) -> int:
-        return self.samples_per_rank - self.start
 
     def sample(self, i: int) -> TextSample:
         """Sample ``i`` of the stream.

@@ -339,7 +339,7 @@ def main(argv=None):
         print("model B (SmolLM2-135M, 30 layers, vocab 49k) on 2 CPU cores: expect several hours "
               "(trajectories ~1-2 h, each training round ~1 h, evaluation ~30 min).", flush=True)
     elif preset.name == "default":
-        print("default preset: model A end to end, about 25-30 minutes on an idle 2-core CPU.", flush=True)
+        print("default preset: model A end to end, about 27 minutes on an idle 2-core CPU.", flush=True)
     pipe = Pipeline(out, preset)
     atomic_write_json(out / "preset.json", asdict(preset))
     try:
