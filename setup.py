@@ -2,7 +2,7 @@
 
 CPU install (CI, laptops): ``pip install -e .[dev]`` after ``pip install torch==2.13.0`` (a CPU wheel;
 a bare ``torch`` requirement pulls a multi-GB CUDA build). GPU clusters: use an NGC PyTorch container
-(CUDA torch + Transformer Engine) and ``pip install -e .[gpu]``; see README "GPU install".
+(CUDA torch + Transformer Engine) and ``pip install -e .[gpu]``; see README "Cluster launch (H200/B200)".
 """
 
 from setuptools import find_packages, setup

@@ -1,13 +1,24 @@
 #!/usr/bin/env bash
 # Serve a megatron-jf checkpoint: examples/run_text_server.sh CKPT [TP=1] [PORT=5000] [extra server args...]
 # TP>1 launches torchrun with TP ranks (rank 0 serves HTTP, the others follow).
+# TP and PORT are optional positionals: `run_text_server.sh CKPT --decoder mr` serves on 5000 with TP 1.
 set -euo pipefail
+usage="usage: $0 CKPT [TP] [PORT] [--decoder mr --block-size 16 ...]"
 if [ $# -lt 1 ]; then
-  echo "usage: $0 CKPT [TP] [PORT] [--decoder mr --block-size 16 ...]" >&2
+  echo "$usage" >&2
   exit 2
 fi
-CKPT=$1; TP=${2:-1}; PORT=${3:-5000}
-shift $(( $# < 3 ? $# : 3 ))
+is_int() { [[ $1 =~ ^[0-9]+$ ]]; }
+CKPT=$1; shift
+TP=1; PORT=5000
+if [ $# -gt 0 ] && [[ $1 != -* ]]; then
+  is_int "$1" && [ "$1" -ge 1 ] || { echo "error: TP must be a positive integer, got '$1'; $usage" >&2; exit 2; }
+  TP=$1; shift
+  if [ $# -gt 0 ] && [[ $1 != -* ]]; then
+    is_int "$1" || { echo "error: PORT must be an integer, got '$1'; $usage" >&2; exit 2; }
+    PORT=$1; shift
+  fi
+fi
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

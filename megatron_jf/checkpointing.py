@@ -65,6 +65,10 @@ def read_meta(ckpt_dir: str, iteration: int | None = None) -> dict:
     if it is None:
         raise FileNotFoundError(f"no checkpoint in {ckpt_dir} (missing {LATEST})")
     path = os.path.join(iter_dir(ckpt_dir, it), META)
+    if iteration is not None and not os.path.isfile(path):
+        have = sorted(int(n[5:]) for n in os.listdir(ckpt_dir)
+                      if n.startswith("iter_") and n[5:].isdigit() and os.path.isfile(os.path.join(ckpt_dir, n, META)))
+        raise FileNotFoundError(f"{ckpt_dir} has no iteration {iteration}; available: {have or 'none'}")
     try:
         meta = json.load(open(path))
     except (OSError, json.JSONDecodeError) as e:
@@ -200,7 +204,14 @@ def load_model(ckpt_dir: str, *, iteration: int | None = None, params_dtype: tor
 
 
 def tokenizer_path(ckpt_dir: str) -> str | None:
-    """``ckpt_dir/tokenizer`` when the checkpoint carries tokenizer files, else None."""
+    """``ckpt_dir/tokenizer`` when the checkpoint carries tokenizer files, else None.
+
+    Raises:
+        FileNotFoundError: ``ckpt_dir`` does not exist (so a mistyped ``--load`` is not reported as a
+            missing tokenizer).
+    """
+    if not os.path.isdir(ckpt_dir):
+        raise FileNotFoundError(f"checkpoint directory not found: {ckpt_dir}")
     p = os.path.join(ckpt_dir, "tokenizer")
     return p if os.path.isdir(p) else None
 

@@ -50,7 +50,8 @@ def initialize(tp: int = 1, pp: int = 1, *, timeout_s: int = 600) -> None:
                                     world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=timeout_s))
     world = dist.get_world_size()
     if world % (tp * pp) != 0:
-        raise ValueError(f"tp*pp = {tp}*{pp} does not divide the world size {world}")
+        hint = f" (launch with torchrun --nproc_per_node {tp * pp})" if world == 1 else ""
+        raise ValueError(f"tp*pp = {tp}*{pp} does not divide the world size {world}{hint}")
     if ps.model_parallel_is_initialized():
         if ps.get_tensor_model_parallel_world_size() == tp and ps.get_pipeline_model_parallel_world_size() == pp:
             return

@@ -122,3 +122,17 @@ def test_rope_base_read_from_both_config_layouts():
     v4.pop("rope_theta")
     with pytest.raises(ValueError, match="RoPE base"):
         ModelArgs.from_hf_dict(v4)
+
+
+def test_missing_checkpoint_and_iteration_are_named(tmp_path):
+    from megatron_jf import checkpointing as C
+
+    with pytest.raises(FileNotFoundError, match="checkpoint directory not found: .*nope"):
+        C.tokenizer_path(str(tmp_path / "nope"))  # not "carries no tokenizer"
+    ck = tmp_path / "ck"
+    (ck / "iter_0000004").mkdir(parents=True)
+    (ck / "iter_0000004" / C.META).write_text(json.dumps({"format": C.FORMAT, "iteration": 4}))
+    (ck / C.LATEST).write_text("4")
+    assert C.read_meta(str(ck))["iteration"] == 4 and C.tokenizer_path(str(ck)) is None
+    with pytest.raises(FileNotFoundError, match=r"has no iteration 5; available: \[4\]"):
+        C.read_meta(str(ck), 5)

@@ -202,3 +202,18 @@ def test_smollm2_export_reloads_with_same_logits(tmp_path):
     assert (a - b).abs().max().item() <= 1e-5
     assert tok.eos_ids >= {ref_tok.eos_token_id}
     assert "<|im_start|>user\nhi<|im_end|>" in tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_quickstart_cli_rejects_unknown_stage_and_unsafe_fresh(tmp_path):
+    from megatron_jf.quickstart import pipeline
+
+    stages = [name for name, _ in pipeline.Pipeline(tmp_path / "w", pipeline.PRESETS["smoke"]).stages()]
+    assert tuple(stages) == pipeline.STAGES
+    with pytest.raises(SystemExit):  # argparse: invalid choice (a typo must not run all stages)
+        pipeline.main(["--smoke", "--until", "trajl", "--out", str(tmp_path / "w")])
+    keep = tmp_path / "mine"
+    keep.mkdir()
+    (keep / "notes.txt").write_text("x")
+    with pytest.raises(SystemExit, match="refuses to delete"):
+        pipeline.main(["--smoke", "--fresh", "--out", str(keep)])
+    assert (keep / "notes.txt").read_text() == "x"

@@ -404,3 +404,22 @@ def test_cli_tensor_parallel_2(srv):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def test_run_text_server_script_arguments():
+    """TP and PORT are optional positionals; a non-integer is a named error, not an argparse error later."""
+    script = os.path.join(REPO, "examples", "run_text_server.sh")
+    env = dict(os.environ, PYTHON="echo")  # print the command the script would exec
+
+    def run(*args):
+        return subprocess.run(["bash", script, *args], env=env, capture_output=True, text=True, timeout=30)
+
+    p = run("/ck", "--decoder", "mr")
+    assert p.returncode == 0 and p.stdout.split()[1:] == ["--load", "/ck", "--tp", "1", "--port", "5000",
+                                                          "--decoder", "mr"]
+    p = run("/ck", "1", "6001", "--block-size", "8")
+    assert p.stdout.split()[1:] == ["--load", "/ck", "--tp", "1", "--port", "6001", "--block-size", "8"]
+    p = run("/ck", "mr")
+    assert p.returncode == 2 and "TP must be a positive integer, got 'mr'" in p.stderr
+    p = run("/ck", "1", "http")
+    assert p.returncode == 2 and "PORT must be an integer" in p.stderr

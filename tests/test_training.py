@@ -291,3 +291,21 @@ def test_cli_reports_bad_input_as_one_line(work):
                              "--train-steps", "1", "--block-size", "8", "--no-progress"], timeout=120)
     assert rc == 1 and "pretrain_jf.py: error:" in err and "block_size 4 != requested block_size 8" in err
     assert "Traceback" not in err
+
+
+def test_saved_checkpoint_carries_the_tokenizer(work, tmp_path):
+    """A JF run from a checkpoint with a tokenizer saves one too, so generate/evaluate/serve/collect load it."""
+    from megatron_jf import checkpointing
+    from megatron_jf.server.tiny import build_tiny_checkpoint
+    from megatron_jf.tokenizer import load_tokenizer
+
+    src = build_tiny_checkpoint(str(tmp_path / "tiny"), in_process=True)
+    save = str(tmp_path / "jf")
+    tr = _cli_trainer(["--load", src, "--data", os.path.join(work, "train"), "--block-size", "4", "--train-steps",
+                       "1", "--threads", "1", "--no-progress", "--save", save])
+    tr.train()
+    assert checkpointing.latest_iteration(save) == 1
+    assert checkpointing.tokenizer_path(save) is not None
+    a, b = load_tokenizer(checkpointing.tokenizer_path(src)), load_tokenizer(checkpointing.tokenizer_path(save))
+    text = "def add(a, b):\n    return a + b\n"
+    assert b.encode(text) == a.encode(text) and b.eos_ids == a.eos_ids

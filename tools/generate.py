@@ -17,6 +17,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
 def add_decode_args(p: argparse.ArgumentParser) -> None:
     """Decoder flags shared by the tools (generate, evaluate, server)."""
     from megatron_jf.inference.engine import DECODERS, DRAFT_INITS
@@ -62,7 +70,7 @@ def main(argv=None):
     p.add_argument("--prompt-file", default=None, help="a text file: one prompt (whole file)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--threads", type=_positive_int, default=1, help="torch threads per process")
     p.add_argument("--json", action="store_true", help="print tokens and metrics as JSON")
     add_decode_args(p)
     a = p.parse_args(argv)

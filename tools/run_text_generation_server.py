@@ -20,13 +20,21 @@ import os
 import sys
 
 
+
+def _port(text: str) -> int:
+    """argparse type: a TCP port number."""
+    v = int(text)
+    if not 1 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 1-65535, got {v}")
+    return v
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", required=True, help="megatron-jf checkpoint directory")
     p.add_argument("--tokenizer", default=None, help="tokenizer path (default: CKPT/tokenizer)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (= WORLD_SIZE under torchrun)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=5000)
+    p.add_argument("--port", type=_port, default=5000, help="TCP port, 1-65535")
     p.add_argument("--model-name", default=None, help="model id in /v1/models (default: checkpoint dir name)")
     p.add_argument("--max-batch", type=int, default=32, help="most requests per batched generate call")
     p.add_argument("--max-queue", type=int, default=256, help="most waiting requests (503 beyond)")
@@ -67,6 +75,9 @@ def main(argv=None) -> int:
     if world != args.tp:
         print(f"error: --tp {args.tp} needs {args.tp} ranks (run under torchrun), got WORLD_SIZE={world}",
               file=sys.stderr)
+        return 2
+    if not os.path.isdir(args.load):
+        print(f"error: checkpoint directory not found: {args.load}", file=sys.stderr)
         return 2
     parallel.initialize(args.tp, 1)
     parallel.set_seed(args.seed)

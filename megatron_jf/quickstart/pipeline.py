@@ -35,6 +35,7 @@ from pathlib import Path
 from megatron_jf.fileio import atomic_write_json, atomic_write_text
 
 REPO = Path(__file__).resolve().parents[2]
+STAGES = ("corpus", "base", "prompts", "traj1", "jf1", "traj2", "jf2", "report")
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ class Pipeline:
             raise RuntimeError(f"stage {stage} failed (exit {proc.returncode}); re-run the same command to resume")
 
     def stages(self):
-        """``(name, function)`` of every stage, in order."""
+        """``(name, function)`` of every stage, in order (the names are :data:`STAGES`)."""
         return [("corpus", self.stage_corpus), ("base", self.stage_base), ("prompts", self.stage_prompts),
                 ("traj1", lambda: self.stage_traj("traj1", "base", self.p.n1)),
                 ("jf1", lambda: self.stage_jf("jf1", "base", "traj1", self.p.n1, self.p.w1, self.p.jf1_steps)),
@@ -224,24 +225,10 @@ class Pipeline:
                   "--save", self.path("base"), "--save-interval", max(10, p.pretrain_steps // 4),
                   "--log-interval", max(1, p.pretrain_steps // 20), "--threads", p.threads,
                   "--log-file", self.path("base_log.jsonl")], "base")
-        self._ensure_tokenizer("base")
         return {"model": f"Qwen2.5-architecture {p.layers}L/{p.hidden}h, vocab {p.vocab_size}, {p.pretrain_steps} steps"}
 
     def _tokenizer_dir(self) -> Path:
         return self.path("smollm2_hf") if self.p.real else self.path("tokenizer")
-
-    def _ensure_tokenizer(self, ckpt: str) -> None:
-        dst = self.path(ckpt, "tokenizer")
-        if not dst.exists():
-            tmp = self.path(ckpt, "tokenizer.tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            src = self._tokenizer_dir()
-            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                         "generation_config.json", "vocab.json", "merges.txt"):
-                if (src / name).is_file():
-                    shutil.copy2(src / name, tmp / name)
-            os.replace(tmp, dst)
 
     def stage_prompts(self) -> dict:
         """Training prompts from train files; evaluation prompts from held-out files (model A) or HumanEval (model B)."""
@@ -308,7 +295,6 @@ class Pipeline:
                   "--ar-weight", p.jf_ar_weight, "--save", self.path(stage),
                   "--save-interval", max(5, steps // 4), "--log-interval", max(1, steps // 20),
                   "--threads", p.threads, "--log-file", self.path(f"{stage}_log.jsonl")], stage)
-        self._ensure_tokenizer(stage)
         return {"block_size": n, "window_size": w, "steps": steps}
 
     def stage_report(self) -> dict:
@@ -326,7 +312,7 @@ def main(argv=None):
     g.add_argument("--real", action="store_true", help="model B: SmolLM2-135M-Instruct (hours on 2 cores)")
     ap.add_argument("--out", default=None, help="work directory (default runs/quickstart-<preset>)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads per process (default 2)")
-    ap.add_argument("--until", default=None, help="stop after this stage")
+    ap.add_argument("--until", default=None, choices=STAGES, help="stop after this stage")
     ap.add_argument("--fresh", action="store_true", help="delete the work directory first")
     a = ap.parse_args(argv)
     preset = PRESETS["smoke" if a.smoke else "real" if a.real else "default"]
@@ -334,6 +320,9 @@ def main(argv=None):
         preset = replace(preset, threads=a.threads)
     out = Path(a.out or REPO / "runs" / f"quickstart-{preset.name}")
     if a.fresh and out.exists():
+        if any(out.iterdir()) and not (out / "preset.json").is_file():
+            raise SystemExit(f"error: --fresh refuses to delete {out}: it is not a quickstart work directory "
+                             "(no preset.json)")
         shutil.rmtree(out)
     if preset.real:
         print("model B (SmolLM2-135M, 30 layers, vocab 49k) on 2 CPU cores: expect several hours "

@@ -838,10 +838,22 @@ class Trainer:
 
         extra = {"optimizer": self._optimizer_sharded(False), "rng": self._rng_sharded()}
         path = checkpointing.save_checkpoint(self.cfg.save, self.iteration, self.module, sharded_extra=extra,
-                                             common=self._common(), keep_last=self.cfg.keep_last)
+                                             common=self._common(), keep_last=self.cfg.keep_last,
+                                             tokenizer_dir=self._tokenizer_source())
         self._last_saved = self.iteration
         self._print(f"saved checkpoint {path}")
         return path
+
+    def _tokenizer_source(self) -> str | None:
+        """The tokenizer directory the saved checkpoint should carry, so generate/evaluate/serve/collect work on
+        it directly: ``--tokenizer``, else the ``--load`` checkpoint's, else the ``--hf-config`` directory's."""
+        from megatron_jf import checkpointing
+
+        cfg = self.cfg
+        for d in (cfg.tokenizer, cfg.load and checkpointing.tokenizer_path(cfg.load), cfg.hf_config):
+            if d and os.path.isdir(d):
+                return d
+        return None
 
     def _resume(self, checkpointing):
         cfg, it = self.cfg, self.resume_iteration
