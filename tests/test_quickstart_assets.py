@@ -217,3 +217,23 @@ def test_quickstart_cli_rejects_unknown_stage_and_unsafe_fresh(tmp_path):
     with pytest.raises(SystemExit, match="refuses to delete"):
         pipeline.main(["--smoke", "--fresh", "--out", str(keep)])
     assert (keep / "notes.txt").read_text() == "x"
+
+
+def test_report_humaneval_pass1_scores_real_completions():
+    """The --real report's pass@1: canonical HumanEval solutions pass, a wrong body fails (sandboxed execution)."""
+    from megatron_jf.eval.benchmarks import load_benchmark
+    from megatron_jf.quickstart.report import _humaneval_pass1
+
+    probs = load_benchmark("humaneval", limit=2)
+    texts = {}
+
+    class Tok:  # token "ids" are keys of texts: decode looks the completion up
+        def decode(self, ids):
+            return texts[ids[0]]
+
+    for i, p in enumerate(probs):
+        texts[f"good{i}"] = "```python\n" + p.prompt + p.reference + "```"
+        texts[f"bad{i}"] = "```python\n" + p.prompt + "    return None\n```"
+    rows = [{"task_id": p.task_id} for p in probs]
+    out = _humaneval_pass1(rows, {"base": [["good0"], ["good1"]], "JF round 2": [["good0"], ["bad1"]]}, Tok())
+    assert out == {"base": 1.0, "JF round 2": 0.5}
