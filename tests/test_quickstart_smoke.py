@@ -36,3 +36,10 @@ def test_quickstart_smoke_end_to_end(tmp_path):
     # resumable: a second run skips every stage
     p2 = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert p2.returncode == 0 and p2.stdout.count("done earlier, skipping") == 8
+    # a report stage that did not finish reuses each model's finished evaluation (report/eval_<ckpt>.json)
+    (out / "report.done").unlink()
+    (out / "report" / "report.json").unlink()
+    p3 = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p3.returncode == 0, p3.stdout[-3000:] + p3.stderr[-3000:]
+    assert p3.stdout.count("evaluated earlier") == 3 and "[report] evaluating" not in p3.stdout
+    assert json.loads((out / "report" / "report.json").read_text())["rows"] == rep["rows"]
