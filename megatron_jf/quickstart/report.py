@@ -91,11 +91,15 @@ def build_report(pipe) -> dict:
         # one model's results are kept in report/eval_<ckpt>.json, so a report stage killed (or failing) after a
         # model finished resumes after it; the key makes a retrained checkpoint or changed settings re-evaluate
         saved = os.stat(pipe.path(ck, "latest_checkpointed_iteration.txt")).st_mtime_ns
-        key = {"checkpoint": ck, "checkpoint_time": saved, "prompts": prompts, "response_tokens": R, "decoders": list(decoders),
-               "block_sizes": list(p.eval_block_sizes), "timing_prompts": p.timing_prompts, "nll_chunks": p.nll_chunks}
+        key = {"checkpoint": ck, "checkpoint_time": saved, "prompts": prompts, "response_tokens": R,
+               "decoders": list(decoders), "block_sizes": list(p.eval_block_sizes),
+               "timing_prompts": p.timing_prompts, "nll_chunks": p.nll_chunks}
         cache = out_dir / f"eval_{ck}.json"
-        res = json.loads(cache.read_text()) if cache.is_file() else None
-        if res is not None and res.get("key") == key:
+        try:
+            res = json.loads(cache.read_text())
+        except (OSError, ValueError):  # none yet, or unreadable: evaluate again
+            res = None
+        if isinstance(res, dict) and res.get("key") == key:
             pipe.log(f"[report] {label}: evaluated earlier ({cache})")
         else:
             pipe.log(f"[report] evaluating {label}")
