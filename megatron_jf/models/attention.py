@@ -12,11 +12,26 @@ Modes, chosen per forward:
   so training runs stock causal kernels (FlashAttention inside SDPA on GPU).
 * **masked** (``attention_mask`` given, megatron convention ``True = masked out``, ``[b|1, 1, sq, sk]``):
   any block-sparse pattern (NC-IC, clean-context, or NC as a reference).
+* **packed** (``packed_seq_params`` given, megatron-core
+  :class:`~megatron.core.packed_seq_params.PackedSeqParams` with ``qkv_format="thd"``): several causal
+  segments packed back to back into one sequence without padding, delimited by ``cu_seqlens_q``
+  (int32 ``[num_segments + 1]``, the cumulative segment lengths). This is the ``packed`` attention path
+  (:mod:`megatron_jf.training.attention_paths`): the noisy and clean streams of every sample are
+  segments. Each query sees the keys of its own segment up to itself.
 * **cached** (a :class:`~megatron_jf.models.kv_cache.KVCache` attached): decoding; keys/values of the
   new tokens are written to the cache and attention runs over committed + new slots.
 
+Backends. With Transformer Engine and CUDA present (:data:`megatron_jf.platform.HAVE_TE`) the packed
+mode runs TE's fused attention (megatron-core ``TEDotProductAttention``, ``qkv_format="thd"``, mask type
+``padding_causal``: FlashAttention/cuDNN varlen kernels, no padding, no ``[L, L]`` mask) and the masked
+mode runs TE's arbitrary-mask attention (``AttnMaskType.arbitrary``). Otherwise (CPU, or
+``MEGATRON_JF_DISABLE_TE=1``) both run torch SDPA: packed as one causal SDPA per segment. The causal
+and cached modes always use SDPA (FlashAttention inside SDPA on GPU). The TE module holds no
+parameters and is kept out of the module tree, so checkpoints are identical with and without TE.
+
 Shapes: query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` (np/ng = heads/KV groups on this TP
-rank); output ``[sq, b, np * hn]``.
+rank); output ``[sq, b, np * hn]``. Packed mode (megatron squeezes the dummy batch dimension):
+query ``[t, np, hn]``, key/value ``[t, ng, hn]``, output ``[t, np * hn]`` with ``t = cu_seqlens_q[-1]``.
 """
 
 from __future__ import annotations
@@ -25,7 +40,10 @@ import math
 
 import torch
 import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+
+from megatron_jf import platform
 
 
 class JFCoreAttention(MegatronModule):
@@ -46,16 +64,49 @@ class JFCoreAttention(MegatronModule):
         if config.context_parallel_size != 1:
             raise ValueError("JFCoreAttention does not support context parallelism")
         self.layer_number = layer_number
+        self.attention_type = attention_type
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        self.pg_collection = pg_collection
         self.kv_cache = None  # set by megatron_jf.models.gpt.attach_kv_cache
         self.cache_slot = -1
+        #: None = automatic (TE when platform.HAVE_TE and the inputs are on CUDA); False = always SDPA.
+        self.use_te: bool | None = None
+
+    def _te_enabled(self, query: torch.Tensor) -> bool:
+        if self.use_te is False or not platform.HAVE_TE or not query.is_cuda:
+            return False
+        return True
+
+    def _te_attention(self):
+        """megatron-core's ``TEDotProductAttention`` for this layer, built on first use.
+
+        Stored outside the module tree (``object.__setattr__``): it has no parameters, and keeping it
+        unregistered leaves the state dict (and so every checkpoint) the same as without TE.
+        """
+        te = self.__dict__.get("_te")
+        if te is None:
+            from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+            te = TEDotProductAttention(self.config, self.layer_number, AttnMaskType.padding_causal,
+                                       self.attention_type, attention_dropout=0.0,
+                                       softmax_scale=self.softmax_scale, pg_collection=self.pg_collection)
+            object.__setattr__(self, "_te", te)
+        return te
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if packed_seq_params is not None:
-            raise NotImplementedError("packed THD sequences need the Transformer Engine attention path")
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported")
+        if packed_seq_params is not None:
+            if self.kv_cache is not None:
+                raise NotImplementedError("packed THD sequences cannot be decoded through a KV cache")
+            _check_packed(packed_seq_params, query)
+            if self._te_enabled(query):
+                return self._te_attention()(query, key, value, None, attn_mask_type=AttnMaskType.padding_causal,
+                                            packed_seq_params=packed_seq_params)
+            return packed_causal_sdpa(query, key, value, packed_seq_params.cu_seqlens_q, self.softmax_scale)
+        if attention_mask is not None and self.kv_cache is None and self._te_enabled(query):
+            return self._te_attention()(query, key, value, attention_mask, attn_mask_type=AttnMaskType.arbitrary)
         sq, b, nh, hd = query.shape
         q = query.permute(1, 2, 0, 3)
         k = key.permute(1, 2, 0, 3)
@@ -73,3 +124,55 @@ class JFCoreAttention(MegatronModule):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, scale=self.softmax_scale,
                                                  enable_gqa=gqa)
         return out.permute(2, 0, 1, 3).reshape(sq, b, nh * hd)
+
+
+def _check_packed(params, query: torch.Tensor) -> None:
+    """Validate ``PackedSeqParams`` for self-attention over causal segments (clear errors, no crash)."""
+    if params.qkv_format != "thd":
+        raise ValueError(f"packed_seq_params.qkv_format must be 'thd', got {params.qkv_format!r}")
+    cu = params.cu_seqlens_q
+    if cu is None or cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError("packed_seq_params.cu_seqlens_q must be a 1-D tensor [num_segments + 1]")
+    kv = params.cu_seqlens_kv
+    if kv is not None and kv is not cu and (kv.shape != cu.shape or not torch.equal(kv, cu)):
+        raise ValueError("packed self-attention needs cu_seqlens_kv == cu_seqlens_q")
+    for name in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        pad = getattr(params, name)
+        if pad is not None and (pad.shape != cu.shape or not torch.equal(pad, cu)):
+            raise ValueError(f"packed_seq_params.{name} differing from cu_seqlens_q is not supported "
+                             "(padding is a segment of its own)")
+    if query.dim() != 3:
+        raise ValueError(f"packed query must be [t, heads, head_dim], got {tuple(query.shape)}")
+
+
+def packed_causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """Causal attention within each packed segment (torch SDPA, one call per segment).
+
+    Args:
+        query: ``[t, np, hn]``; key/value: ``[t, ng, hn]`` (``np`` a multiple of ``ng``: GQA).
+        cu_seqlens: int ``[num_segments + 1]``, ``0 = cu[0] <= cu[1] <= ... <= cu[-1] = t``.
+        scale: softmax scale.
+
+    Returns:
+        ``[t, np * hn]``, rows of segment ``i`` attending causally to keys ``cu[i] ..`` themselves.
+
+    Raises:
+        ValueError: ``cu_seqlens`` does not start at 0, decreases, or does not end at ``t``.
+    """
+    t, nh, hd = query.shape
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    if bounds[0] != 0 or bounds[-1] != t or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
+        raise ValueError(f"cu_seqlens {bounds[:8]}{'...' if len(bounds) > 8 else ''} must rise from 0 to the "
+                         f"packed length {t}")
+    q = query.transpose(0, 1)  # [np, t, hn]
+    k = key.transpose(0, 1)
+    v = value.transpose(0, 1)
+    gqa = k.shape[0] != nh
+    outs = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if b > a:
+            outs.append(F.scaled_dot_product_attention(q[None, :, a:b], k[None, :, a:b], v[None, :, a:b],
+                                                       is_causal=True, scale=scale, enable_gqa=gqa)[0])
+    out = torch.cat(outs, dim=1)  # [np, t, hn]
+    return out.transpose(0, 1).reshape(t, nh * hd)

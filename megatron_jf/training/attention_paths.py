@@ -16,6 +16,14 @@ Paths (``--attention-path``):
   :func:`megatron_jf.data.masks.dense_mask_from_layout`, converted to megatron's convention
   (**True = masked out**). Works for every mask kind (``nc`` as a reference for the two-stream path);
   memory ``O(B L^2)`` bytes for the mask plus ``O(B h L^2)`` scores in SDPA's math path.
+* ``packed`` (TE's varlen kernels on GPU): ``nc`` -- the noisy and clean streams of every sample packed
+  back to back, ``[noisy_0, clean_0, noisy_1, clean_1, ...]``, as ONE THD row ``[1, T]`` without
+  padding between them, delimited by megatron-core ``PackedSeqParams`` (``qkv_format="thd"``,
+  ``cu_seqlens`` int32 ``[2B + 1]``, or ``[2B + 2]`` when a trailing padding segment rounds ``T`` up to
+  ``pad_to_multiple_of``). The core attention (:mod:`megatron_jf.models.attention`) runs each segment
+  causally: Transformer Engine's fused ``padding_causal`` attention when present, one SDPA per segment on
+  CPU. Logits equal ``two_stream`` (tests); no compute on row padding. ``nc_ic`` / ``clean``: the dense
+  layout and mask (as ``dense``), run through TE's arbitrary-mask attention when TE is present.
 * ``flex``: not implemented. On CPU FlexAttention is slower than SDPA with a dense boolean mask
   (measured, torch 2.13, ``[4, 8, 320, 32]``, 1 thread: eager 84 ms, ``torch.compile`` 12 ms, SDPA with
   the dense mask 5.5 ms), and the core attention (``megatron_jf.models.attention``) has no ``BlockMask``
@@ -34,6 +42,7 @@ from dataclasses import dataclass, field, fields
 from typing import Sequence
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_jf.data.dataset import collate_packed, collate_two_stream
 from megatron_jf.data.masks import MASK_KINDS, dense_mask_from_layout
@@ -43,14 +52,15 @@ from megatron_jf.training.losses import JFLossInputs
 __all__ = ["PATHS", "JFBatch", "build_jf_batch", "append_anchor_rows", "forward_model", "gather_jf_logits",
            "gather_anchor_logits", "jf_forward"]
 
-PATHS = ("two_stream", "dense", "flex")
+PATHS = ("two_stream", "dense", "packed", "flex")
 
 
 @dataclass
 class JFBatch:
     """One collated microbatch, ready for the model and the loss.
 
-    Shapes: ``R`` model rows (``2B`` for two-stream, ``B`` for dense), ``S`` padded row length,
+    Shapes: ``R`` model rows (``2B`` for two-stream, ``B`` for dense, ``1`` for packed ``nc``), ``S`` padded
+    row length (packed: the total packed length ``T``),
     ``C`` consistency pairs, ``M`` AR positions, ``B`` samples. Flat indices index the model output
     viewed as ``[R * S, V_local]``.
 
@@ -74,6 +84,8 @@ class JFBatch:
             when the batch carries no anchor rows.
         anchor_targets: int64 ``[K]`` next-token ids at ``anchor_index`` (``None`` without anchor rows).
         num_anchor_rows: ``A``, the anchor rows appended (rows ``R - A .. R - 1``; 0 without).
+        packed_seq_params: megatron-core ``PackedSeqParams`` (``qkv_format="thd"``, int32 ``cu_seqlens_q`` =
+            ``cu_seqlens_kv`` ``[segments + 1]``, ``max_seqlen_q/kv``) on the packed ``nc`` path, else ``None``.
     """
 
     tokens: torch.Tensor
@@ -96,6 +108,7 @@ class JFBatch:
     anchor_index: torch.Tensor | None = None
     anchor_targets: torch.Tensor | None = None
     num_anchor_rows: int = 0
+    packed_seq_params: PackedSeqParams | None = None
 
     @property
     def num_samples(self) -> int:
@@ -110,6 +123,9 @@ class JFBatch:
         kw = {}
         for f in fields(self):
             v = getattr(self, f.name)
+            if isinstance(v, PackedSeqParams):
+                v = dataclasses.replace(v, cu_seqlens_q=v.cu_seqlens_q.to(device, non_blocking=True),
+                                        cu_seqlens_kv=v.cu_seqlens_kv.to(device, non_blocking=True))
             kw[f.name] = v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
         return JFBatch(**kw)
 
@@ -136,13 +152,14 @@ def build_jf_batch(samples: Sequence[PackedSample], *, path: str = "two_stream",
 
     Args:
         samples: packed samples (:func:`megatron_jf.data.packing.pack_record`).
-        path: ``"two_stream"`` | ``"dense"`` (``"flex"`` raises NotImplementedError).
+        path: ``"two_stream"`` | ``"dense"`` | ``"packed"`` (``"flex"`` raises NotImplementedError).
         mask: ``"nc"`` | ``"nc_ic"`` | ``"clean"``.
         window_size: ``w`` for ``nc_ic`` (the noise-schedule window).
         pad_id: token id used for padding (never attended by real tokens, never a target).
         pad_to: pad every row to exactly this length (required for pipeline parallelism, whose
-            p2p buffers have a fixed shape).
-        max_len: longest allowed model-input row (two-stream: ``P + R``; dense: ``P + 2R``).
+            p2p buffers have a fixed shape). Packed ``nc``: the total packed length ``T``.
+        max_len: longest allowed model-input row (two-stream and packed ``nc``: ``P + R`` per stream;
+            dense: ``P + 2R``).
         pad_to_multiple_of: round the row length up (when ``pad_to`` is None).
         max_position: the model's context (max_position_embeddings); positions must stay below it.
         vocab_size: if given, every token id must be below it.
@@ -159,13 +176,14 @@ def build_jf_batch(samples: Sequence[PackedSample], *, path: str = "two_stream",
     _check_args(path, mask)
     if not samples:
         raise ValueError("cannot build a batch from zero samples")
+    thd = path == "packed" and mask == "nc"
     for s in samples:
         P, L = s.prompt_len, len(s)
-        row = (L + P) // 2 if path == "two_stream" else L
+        row = (L + P) // 2 if path == "two_stream" or thd else L
         if max_position is not None and int(s.position_ids.max()) >= max_position:
             raise ValueError(f"sample {s.sample_id!r}: prompt + response = {int(s.position_ids.max()) + 1} tokens "
                              f"exceeds the model's context of {max_position} positions")
-        limit = pad_to if pad_to is not None else max_len
+        limit = pad_to if pad_to is not None and not thd else max_len
         if limit is not None and row > limit:
             raise ValueError(f"sample {s.sample_id!r}: model-input length {row} ({path} path; prompt {P}, "
                              f"response {(L - P) // 2}) exceeds the sequence length {limit}")
@@ -175,7 +193,28 @@ def build_jf_batch(samples: Sequence[PackedSample], *, path: str = "two_stream",
             raise ValueError(f"sample {s.sample_id!r}: negative token id {int(s.tokens.min())}")
     mult = 1 if pad_to is not None else pad_to_multiple_of
     B = len(samples)
-    if path == "two_stream":
+    psp = None
+    if thd:
+        col = collate_two_stream(samples, pad_id, mode="pack", max_len=pad_to, pad_to_multiple_of=mult)
+        R, S = col["tokens"].shape  # R = 1, S = T (total packed length incl. a trailing pad segment)
+        cu = col["cu_seqlens"]
+        if int(cu[-1]) < S:  # the padding is one more causal segment, so cu_seqlens cover the whole row
+            cu = torch.cat([cu, torch.tensor([S], dtype=cu.dtype)])
+        seg_len = cu.diff()
+        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                              max_seqlen_q=int(seg_len.max()), max_seqlen_kv=int(seg_len.max()))
+        cp = col["consistency_pairs"]  # [C, 2] (student column, teacher column) in the one row
+        student, teacher = cp[:, 0], cp[:, 1]
+        ar = col["ar_targets"][0]
+        pc_targets = ar[teacher]
+        pair_block = col["block_ids"][0, teacher]
+        seg = col["segment_ids"][0]
+        pair_sample = torch.div(seg[teacher], 2, rounding_mode="floor")
+        ar_index = torch.nonzero(ar != IGNORE_INDEX).flatten()  # ordered by (sample, position)
+        ar_targets = ar[ar_index]
+        ar_b = torch.div(seg[ar_index], 2, rounding_mode="floor")
+        attn = None
+    elif path == "two_stream":
         col = collate_two_stream(samples, pad_id, mode="pad", max_len=pad_to, pad_to_multiple_of=mult)
         R, S = col["tokens"].shape
         b, j = torch.nonzero(col["consistency_mask"], as_tuple=True)  # ordered by (sample, position)
@@ -212,7 +251,7 @@ def build_jf_batch(samples: Sequence[PackedSample], *, path: str = "two_stream",
         pair_block=pair_block, ar_index=ar_index, ar_targets=ar_targets, ar_sample=ar_b,
         num_blocks=col["num_blocks"], num_tokens=int(col["valid"].sum()),
         max_blocks=int(col["num_blocks"].max()), path=path, mask=mask,
-        sample_ids=list(col["sample_ids"]),
+        sample_ids=list(col["sample_ids"]), packed_seq_params=psp,
     )
 
 
@@ -245,6 +284,9 @@ def append_anchor_rows(batch: JFBatch, text, *, pad_id: int = 0, pad_to: int | N
     """
     if batch.has_anchor:
         raise ValueError("the batch already carries anchor rows")
+    if batch.packed_seq_params is not None:
+        raise ValueError("anchor rows (--anchor-data) are not supported on the packed THD path yet; "
+                         "use --attention-path two_stream or dense")
     a_tok, a_lab, a_pos = text.tokens, text.labels, text.position_ids
     if a_tok.dim() != 2 or a_tok.shape[0] == 0 or a_lab.shape != a_tok.shape or a_pos.shape != a_tok.shape:
         raise ValueError(f"anchor text batch must be non-empty [A, S_a] tokens/labels/positions, got "
@@ -296,6 +338,9 @@ def forward_model(model, batch: JFBatch) -> torch.Tensor:
         On the last pipeline stage, vocab-parallel logits ``[R, S, V_local]``; on other stages the
         hidden states for the next stage.
     """
+    if batch.packed_seq_params is not None:
+        return model(batch.tokens, batch.position_ids, None, runtime_gather_output=False,
+                     packed_seq_params=batch.packed_seq_params)
     return model(batch.tokens, batch.position_ids, batch.attention_mask, runtime_gather_output=False)
 
 

@@ -1,0 +1,243 @@
+"""The packed (THD) attention path: megatron-core ``PackedSeqParams`` through the core attention.
+
+* the packing: ``[noisy_0, clean_0, noisy_1, clean_1, ...]`` in one row, ``cu_seqlens`` delimiting the
+  streams (plus a trailing padding segment), positions restarting per stream, loss indices landing on the
+  same tokens as the two-stream layout;
+* per-segment causal SDPA equals a causal SDPA over each segment cut out by hand, and a query never sees
+  another segment;
+* model logits on the packed path equal the two-stream and dense paths and independent causal passes;
+  the loss and its gradients equal the two-stream path's;
+* with Transformer Engine and CUDA present, TE's fused ``padding_causal`` attention equals the SDPA
+  reference (skipped when TE/CUDA is absent).
+"""
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "dist"))
+from train_fixtures import make_record, tiny_mcore_model  # noqa: E402
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def tiny(mp1):
+    model, args = tiny_mcore_model(seed=3)
+    return model.eval(), args
+
+
+def _packed_samples():
+    from megatron_jf.data.packing import pack_record
+
+    recs = [make_record(11, prompt_len=5, block_size=4, num_blocks=3),
+            make_record(12, prompt_len=7, block_size=4, num_blocks=3, last_block_len=2)]
+    return recs, [pack_record(r, "progressive", 3) for r in recs]
+
+
+def _causal(model, ids):
+    with torch.no_grad():
+        return model(ids[None], torch.arange(ids.shape[0])[None], None, runtime_gather_output=False)[0]
+
+
+def test_packed_batch_layout():
+    """One row [noisy_0, clean_0, noisy_1, clean_1, pad]; cu_seqlens at the stream boundaries; positions
+    restart at 0 per stream; the loss indices pick the same tokens as the two-stream batch's."""
+    from megatron_jf.data.packing import to_two_stream
+    from megatron_jf.training.attention_paths import build_jf_batch
+
+    recs, packed = _packed_samples()
+    b = build_jf_batch(packed, path="packed", mask="nc", pad_to_multiple_of=16)
+    two = build_jf_batch(packed, path="two_stream", mask="nc")
+    lens = [len(to_two_stream(p)) for p in packed]  # P + R per stream
+    assert lens == [17, 17]  # 5 + 12, 7 + 10
+    T = b.tokens.shape[1]
+    assert b.tokens.shape[0] == 1 and T == 80  # 2 * (17 + 17) = 68 real tokens, rounded up to a multiple of 16
+    cu = b.packed_seq_params.cu_seqlens_q
+    assert cu.dtype == torch.int32
+    starts = [0, lens[0], 2 * lens[0], 2 * lens[0] + lens[1], 2 * sum(lens)]
+    assert cu.tolist() == starts + ([T] if T > starts[-1] else [])
+    assert b.packed_seq_params.qkv_format == "thd" and b.packed_seq_params.cu_seqlens_kv is cu
+    assert b.packed_seq_params.max_seqlen_q == max(max(lens), T - starts[-1])
+    for i, rec in enumerate(recs):
+        noisy = two.tokens[i, : lens[i]]
+        clean = two.tokens[len(recs) + i, : lens[i]]
+        s0 = starts[2 * i]
+        assert torch.equal(b.tokens[0, s0 : s0 + lens[i]], noisy)
+        assert torch.equal(b.tokens[0, s0 + lens[i] : s0 + 2 * lens[i]], clean)
+        assert torch.equal(clean, rec.full_ids())
+        assert torch.equal(b.position_ids[0, s0 : s0 + lens[i]], torch.arange(lens[i]))
+        assert torch.equal(b.position_ids[0, s0 + lens[i] : s0 + 2 * lens[i]], torch.arange(lens[i]))
+    flat_p, flat_t = b.tokens.reshape(-1), two.tokens.reshape(-1)
+    for name in ("student_index", "teacher_index", "ar_index"):
+        assert torch.equal(flat_p[getattr(b, name)], flat_t[getattr(two, name)]), name
+    for name in ("pc_targets", "pair_sample", "pair_block", "ar_targets", "ar_sample", "num_blocks"):
+        assert torch.equal(getattr(b, name), getattr(two, name)), name
+    assert b.num_tokens == 2 * sum(lens) and b.attention_mask is None
+
+
+def test_packed_batch_errors():
+    from megatron_jf.training.attention_paths import append_anchor_rows, build_jf_batch
+
+    _, packed = _packed_samples()
+    with pytest.raises(ValueError, match="exceeds the sequence length 16"):
+        build_jf_batch(packed, path="packed", mask="nc", max_len=16)
+    with pytest.raises(ValueError, match="packed row"):
+        build_jf_batch(packed, path="packed", mask="nc", pad_to=40)  # 68 tokens do not fit 40
+    b = build_jf_batch(packed, path="packed", mask="nc")
+    with pytest.raises(ValueError, match="packed THD path"):
+        append_anchor_rows(b, None)
+
+
+def test_packed_causal_sdpa_equals_per_segment_reference():
+    """Segment i's queries see exactly keys cu[i]..themselves (GQA; an empty segment is allowed)."""
+    from megatron_jf.models.attention import packed_causal_sdpa
+
+    g = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 5, 5, 12, 20], dtype=torch.int32)
+    q = torch.randn(20, 4, 8, generator=g)
+    k = torch.randn(20, 2, 8, generator=g)
+    v = torch.randn(20, 2, 8, generator=g)
+    out = packed_causal_sdpa(q, k, v, cu, 0.3)
+    assert out.shape == (20, 32)
+    for a, b in [(0, 5), (5, 12), (12, 20)]:
+        kk = k[a:b].repeat_interleave(2, dim=1)
+        vv = v[a:b].repeat_interleave(2, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q[a:b], kk) * 0.3
+        s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
+        ref = torch.einsum("hqk,khd->qhd", s.softmax(-1), vv).reshape(b - a, 32)
+        assert (out[a:b] - ref).abs().max() <= 1e-5
+    # one causal SDPA over everything differs: the segmentation is doing something
+    full = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1),
+                                          v.repeat_interleave(2, 1).transpose(0, 1), is_causal=True, scale=0.3)
+    assert (full.transpose(0, 1).reshape(20, 32)[5:] - out[5:]).abs().max() > 1e-2
+    with pytest.raises(ValueError, match="rise from 0"):
+        packed_causal_sdpa(q, k, v, torch.tensor([0, 5, 19], dtype=torch.int32), 0.3)
+
+
+def test_packed_params_validation():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_jf.models.attention import _check_packed
+
+    cu = torch.tensor([0, 3, 6], dtype=torch.int32)
+    q = torch.zeros(6, 2, 4)
+    _check_packed(PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu), q)
+    with pytest.raises(ValueError, match="qkv_format"):
+        _check_packed(PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu), q)
+    with pytest.raises(ValueError, match="cu_seqlens_kv"):
+        _check_packed(PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu.flip(0)), q)
+    with pytest.raises(ValueError, match="padded"):
+        _check_packed(PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                      cu_seqlens_q_padded=cu * 2), q)
+
+
+def test_packed_logits_equal_two_stream_dense_and_causal(tiny):
+    """Packed-path logits at every stream position equal the two-stream path, the dense path and an
+    independent causal pass of prompt + noisy blocks / prompt + clean blocks."""
+    from megatron_jf.data.packing import ROLE_CLEAN, ROLE_NOISY, to_two_stream
+    from megatron_jf.training.attention_paths import build_jf_batch, forward_model
+
+    model, _ = tiny
+    recs, packed = _packed_samples()
+    B = len(recs)
+    with torch.no_grad():
+        pk_batch = build_jf_batch(packed, path="packed", mask="nc", pad_to_multiple_of=16)
+        out = forward_model(model, pk_batch)[0]  # [T, V]
+        two = forward_model(model, build_jf_batch(packed, path="two_stream", mask="nc"))
+        dense = forward_model(model, build_jf_batch(packed, path="dense", mask="nc"))
+    cu = pk_batch.packed_seq_params.cu_seqlens_q.tolist()
+    for b, (rec, pk) in enumerate(zip(recs, packed)):
+        T = len(to_two_stream(pk))
+        P = rec.prompt_len
+        noisy_p = out[cu[2 * b] : cu[2 * b] + T]
+        clean_p = out[cu[2 * b + 1] : cu[2 * b + 1] + T]
+        assert (noisy_p - two[b, :T]).abs().max() <= TOL
+        assert (clean_p - two[B + b, :T]).abs().max() <= TOL
+        clean_ref = _causal(model, rec.full_ids())
+        assert (clean_p - clean_ref).abs().max() <= TOL
+        noisy_idx = torch.nonzero(pk.roles == ROLE_NOISY).flatten()
+        clean_idx = torch.nonzero(pk.roles == ROLE_CLEAN).flatten()
+        assert (noisy_p[P:] - dense[b, noisy_idx]).abs().max() <= TOL
+        assert (clean_p[P:] - dense[b, clean_idx]).abs().max() <= TOL
+    # the noisy and clean streams really differ, so the comparisons above are not vacuous
+    assert (out[cu[0] + 6 : cu[0] + 12] - out[cu[1] + 6 : cu[1] + 12]).abs().max() > 1e-2
+
+
+def test_packed_loss_and_grads_equal_two_stream(mp1):
+    """One training forward/backward: loss and every parameter gradient equal the two-stream path."""
+    from megatron_jf.training.attention_paths import build_jf_batch, jf_forward
+    from megatron_jf.training.losses import LossConfig, jf_loss
+
+    model, _ = tiny_mcore_model(seed=5)
+    model.train()
+    _, packed = _packed_samples()
+    cfg = LossConfig(consistency_loss="kl", temperature=1.0, pc_weight=1.0, ar_weight=0.7)
+    res = {}
+    for path in ("two_stream", "packed"):
+        model.zero_grad(set_to_none=True)
+        loss, _ = jf_loss(jf_forward(model, build_jf_batch(packed, path=path, mask="nc", pad_to_multiple_of=8)), cfg)
+        loss.backward()
+        res[path] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    (l2, g2), (lp, gp) = res["two_stream"], res["packed"]
+    assert abs(l2.item() - lp.item()) <= 1e-6 * max(1.0, abs(l2.item()))
+    assert g2.keys() == gp.keys()
+    for n in g2:
+        scale = max(g2[n].abs().max().item(), 1e-8)
+        assert (g2[n] - gp[n]).abs().max().item() <= 1e-5 * scale, n
+
+
+@pytest.mark.parametrize("mask", ["nc_ic", "clean"])
+def test_packed_path_other_masks_use_dense_layout(tiny, mask):
+    """``nc_ic`` / ``clean`` on the packed path: the dense layout and mask, identical logits."""
+    from megatron_jf.training.attention_paths import build_jf_batch, forward_model
+
+    model, _ = tiny
+    _, packed = _packed_samples()
+    a = build_jf_batch(packed, path="packed", mask=mask, window_size=2)
+    d = build_jf_batch(packed, path="dense", mask=mask, window_size=2)
+    assert a.packed_seq_params is None and torch.equal(a.attention_mask, d.attention_mask)
+    with torch.no_grad():
+        assert torch.equal(forward_model(model, a), forward_model(model, d))
+
+
+def _te_cuda():
+    from megatron_jf import platform
+
+    return platform.HAVE_TE and platform.HAVE_CUDA
+
+
+@pytest.mark.skipif(not _te_cuda(), reason="needs Transformer Engine and CUDA")
+def test_te_packed_attention_equals_sdpa(mp1):
+    """TE's fused padding_causal THD attention (bf16) matches the per-segment SDPA reference; TE's
+    arbitrary-mask attention matches SDPA with the same boolean mask."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_jf.models.attention import JFCoreAttention, packed_causal_sdpa
+    from megatron_jf.models.gpt import build_model
+    from megatron_jf.models.hf_config import ModelArgs
+    from megatron_jf.testing import tiny_hf_config
+
+    args = ModelArgs.from_hf_dict(tiny_hf_config("qwen2").to_dict())
+    model = build_model(args, params_dtype=torch.bfloat16)
+    core = next(m for m in model.modules() if isinstance(m, JFCoreAttention))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    nh, ng, hd = args.num_heads, args.num_kv_heads, args.head_dim
+    cu = torch.tensor([0, 37, 80, 128], dtype=torch.int32, device="cuda")
+    q = torch.randn(128, nh, hd, generator=g, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(128, ng, hd, generator=g, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(128, ng, hd, generator=g, device="cuda", dtype=torch.bfloat16)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=48, max_seqlen_kv=48)
+    te_out = core(q, k, v, None, packed_seq_params=psp).reshape(128, -1).float()
+    ref = packed_causal_sdpa(q.float(), k.float(), v.float(), cu, core.softmax_scale)
+    assert core.__dict__.get("_te") is not None  # TE really ran
+    assert (te_out - ref).abs().max().item() <= 2e-2
+    mask = torch.rand(2, 1, 64, 64, generator=g, device="cuda") > 0.5
+    mask[..., torch.arange(64), torch.arange(64)] = False  # every query sees itself
+    qs, ks, vs = (x[:128].reshape(64, 2, *x.shape[1:]) for x in (q, k, v))
+    te_m = core(qs, ks, vs, mask).float()
+    core.use_te = False
+    sd_m = core(qs.float(), ks.float(), vs.float(), mask)
+    assert (te_m - sd_m).abs().max().item() <= 2e-2
