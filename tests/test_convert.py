@@ -136,3 +136,79 @@ def test_missing_checkpoint_and_iteration_are_named(tmp_path):
     assert C.read_meta(str(ck))["iteration"] == 4 and C.tokenizer_path(str(ck)) is None
     with pytest.raises(FileNotFoundError, match=r"has no iteration 5; available: \[4\]"):
         C.read_meta(str(ck), 5)
+
+
+# ---------------------------------------------------------------- layer-spec independence (TE vs local)
+FIXTURE = os.path.join(REPO, "tests", "fixtures", "te_spec_keys.json")
+
+
+def _fixture_args():
+    """The architecture the fixture was generated for: 2 layers, h=64, ffn=96, 4 heads / 2 groups, qkv bias,
+    untied, vocab 256."""
+    from megatron_jf.models.hf_config import ModelArgs
+    from megatron_jf.testing import tiny_hf_model
+
+    hf = tiny_hf_model("qwen2", seed=3)
+    return hf, ModelArgs.from_hf_dict(hf.config.to_dict())
+
+
+def test_te_spec_names_match_megatron_core_fixture():
+    """hf_to_mcore(fused_norms=True) emits exactly the TE spec's parameter names (fixture derived from
+    megatron-core's spec definitions); the default emits the local spec's."""
+    from megatron_jf.models.convert import hf_to_mcore, uses_fused_norms
+
+    fx = json.load(open(FIXTURE))
+    hf, args = _fixture_args()
+    sd = dict(hf.state_dict())
+    te = hf_to_mcore(sd, args, fused_norms=True)
+    local = hf_to_mcore(sd, args)
+    assert sorted(te) == fx["te_keys"]
+    assert sorted(local) == fx["local_keys"]
+    assert uses_fused_norms(te) and not uses_fused_norms(local)
+    assert torch.equal(te["decoder.layers.1.mlp.linear_fc1.layer_norm_weight"],
+                       sd["model.layers.1.post_attention_layernorm.weight"])
+    assert torch.equal(te["decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"],
+                       sd["model.layers.0.input_layernorm.weight"])
+
+
+def test_te_spec_fixture_is_current(tmp_path):
+    """The committed fixture is what the generator derives from the installed megatron-core."""
+    out = tmp_path / "keys.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    p = subprocess.run([sys.executable, os.path.join(REPO, "tests", "fixtures", "make_te_spec_keys.py"), str(out)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    new, old = json.load(open(out)), json.load(open(FIXTURE))
+    for k in ("te_keys", "local_keys", "te_spec_modules", "local_spec_sharded_state_dict_keys_map"):
+        assert new[k] == old[k], k
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_mcore_to_hf_accepts_te_names_bit_exact(tp):
+    """mcore_to_hf of TE-named shards equals the HF source (the KeyError under the TE spec)."""
+    from megatron_jf.models.convert import hf_to_mcore, mcore_to_hf
+
+    hf, args = _fixture_args()
+    sd = dict(hf.state_dict())
+    for fused in (False, True):
+        shards = [[hf_to_mcore(sd, args, tp_rank=r, tp_size=tp, fused_norms=fused) for r in range(tp)]]
+        back = mcore_to_hf(shards, args)
+        assert set(back) == set(sd)
+        for k in sd:
+            assert torch.equal(back[k], sd[k]), (fused, k)
+
+
+@pytest.mark.skipif("not __import__('megatron_jf.platform', fromlist=['x']).HAVE_TE",
+                    reason="Transformer Engine and CUDA absent")
+def test_te_model_has_fixture_names_and_loads_conversion(mp1):
+    """With TE present, the model built by build_model has the fixture's names and takes the conversion strictly."""
+    from megatron_jf.models.convert import hf_to_mcore, uses_fused_norms
+    from megatron_jf.models.gpt import build_model
+
+    fx = json.load(open(FIXTURE))
+    hf, args = _fixture_args()
+    m = build_model(args)
+    keys = sorted(k for k in m.state_dict() if not k.endswith("_extra_state"))
+    assert keys == fx["te_keys"] and uses_fused_norms(keys)
+    missing, unexpected = m.load_state_dict(hf_to_mcore(dict(hf.state_dict()), args, fused_norms=True), strict=False)
+    assert not unexpected and all(k.endswith("_extra_state") for k in missing)

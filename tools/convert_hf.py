@@ -50,7 +50,7 @@ def hf_to_mcore_cmd(args) -> None:
     from megatron_jf import parallel
     from megatron_jf.checkpointing import save_checkpoint
     from megatron_jf.hf_io import load_hf_state_dict, read_model_args
-    from megatron_jf.models.convert import hf_to_mcore
+    from megatron_jf.models.convert import hf_to_mcore, uses_fused_norms
 
     margs = read_model_args(args.hf)  # fails on a missing/unsupported config before any work
     margs.validate_parallel(args.tp, args.pp)
@@ -76,7 +76,8 @@ def hf_to_mcore_cmd(args) -> None:
     hf = load_hf_state_dict(args.hf)
     model = build_model(margs)
     sd = hf_to_mcore(hf, margs, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=args.tp,
-                     pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=args.pp)
+                     pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=args.pp,
+                     fused_norms=uses_fused_norms(model.state_dict()))  # TE spec: norms fused into linears
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:

@@ -19,9 +19,19 @@ HF                                          megatron-core (this rank)
 
 Layer ``i`` of pipeline stage ``p`` is HF layer ``p * L/pp + i``. The inverse mapping concatenates
 the TP shards and drops vocabulary padding, so HF -> megatron -> HF is bit-exact.
+
+Layer specs. The names above are the local spec's. Under the Transformer Engine spec the two norms of a
+layer are fused into the following linear layer: ``input_layernorm.weight`` is
+``self_attention.linear_qkv.layer_norm_weight`` and ``pre_mlp_layernorm.weight`` is
+``mlp.linear_fc1.layer_norm_weight`` (the rename is megatron-core's own ``sharded_state_dict_keys_map`` of
+the local spec, which also makes distributed checkpoints identical under both specs).
+:func:`hf_to_mcore` emits either naming (``fused_norms``), :func:`mcore_to_hf` accepts both, and
+:func:`uses_fused_norms` tells which one a model has. Fixture: ``tests/fixtures/te_spec_keys.json``.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -42,9 +52,48 @@ def _pad_vocab(w: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([w, w.new_zeros(rows - w.shape[0], *w.shape[1:])], dim=0)
 
 
+@functools.lru_cache(maxsize=1)
+def fused_norm_keys_map() -> dict[str, str]:
+    """Where the TE layer spec keeps each norm's parameters, per layer: ``{"input_layernorm.":
+    "self_attention.linear_qkv.layer_norm_", "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}``,
+    read from megatron-core's local spec (its ``sharded_state_dict_keys_map``)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return dict(get_gpt_layer_local_spec(normalization="RMSNorm").submodules.sharded_state_dict_keys_map)
+
+
+def _rename_layer_keys(sd: dict, mapping: dict[str, str]) -> dict:
+    out = {}
+    for k, v in sd.items():
+        if k.startswith("decoder.layers."):
+            head, rest = k.split(".", 3)[:3], k.split(".", 3)[3]
+            for src, dst in mapping.items():
+                if rest.startswith(src):
+                    k = ".".join(head + [dst + rest[len(src):]])
+                    break
+        out[k] = v
+    return out
+
+
+def to_fused_norm_names(sd: dict) -> dict:
+    """Local-spec names -> TE-spec names (``...input_layernorm.weight`` -> ``...linear_qkv.layer_norm_weight``)."""
+    return _rename_layer_keys(sd, fused_norm_keys_map())
+
+
+def to_local_norm_names(sd: dict) -> dict:
+    """TE-spec names -> local-spec names (inverse of :func:`to_fused_norm_names`; local names pass through)."""
+    return _rename_layer_keys(sd, {v: k for k, v in fused_norm_keys_map().items()})
+
+
+def uses_fused_norms(keys) -> bool:
+    """Whether a model's state-dict ``keys`` use the TE spec's fused-norm names."""
+    fused = tuple(v for v in fused_norm_keys_map().values())
+    return any(k.startswith("decoder.layers.") and k.split(".", 3)[3].startswith(fused) for k in keys)
+
+
 def hf_to_mcore(hf: dict[str, torch.Tensor], args: ModelArgs, *, tp_rank: int = 0, tp_size: int = 1,
                 pp_rank: int = 0, pp_size: int = 1, pre_process: bool | None = None,
-                post_process: bool | None = None) -> dict[str, torch.Tensor]:
+                post_process: bool | None = None, fused_norms: bool = False) -> dict[str, torch.Tensor]:
     """Map an HF state dict to the megatron-core state dict of one (TP, PP) rank.
 
     Args:
@@ -54,6 +103,8 @@ def hf_to_mcore(hf: dict[str, torch.Tensor], args: ModelArgs, *, tp_rank: int = 
         pre_process, post_process: whether this stage holds the embedding / output layer
             (default: first / last stage). With tied embeddings and PP > 1 the last stage holds
             ``output_layer.weight``, a copy of the embedding, as megatron-core expects.
+        fused_norms: emit the TE layer spec's names for the norms (see the module docstring); pass
+            ``uses_fused_norms(model.state_dict())`` to match a built model.
 
     Returns:
         megatron parameter names -> tensors (clones, contiguous).
@@ -110,6 +161,8 @@ def hf_to_mcore(hf: dict[str, torch.Tensor], args: ModelArgs, *, tp_rank: int = 
             out["output_layer.weight"] = _pad_vocab(get("lm_head.weight", (args.vocab_size, h)), vocab_rows).chunk(t, 0)[r]
         elif not pre:  # tied, last stage of several: megatron keeps a synchronised copy of the embedding
             out["output_layer.weight"] = _pad_vocab(emb, vocab_rows).chunk(t, 0)[r]
+    if fused_norms:
+        out = to_fused_norm_names(out)
     return {k: v.detach().clone().contiguous() for k, v in out.items()}
 
 
@@ -117,8 +170,8 @@ def mcore_to_hf(shards: list[list[dict[str, torch.Tensor]]], args: ModelArgs) ->
     """Inverse of :func:`hf_to_mcore`: merge per-rank state dicts into one HF state dict.
 
     Args:
-        shards: ``shards[pp_rank][tp_rank]`` = that rank's megatron state dict (non-parameter entries
-            such as ``_extra_state`` are ignored).
+        shards: ``shards[pp_rank][tp_rank]`` = that rank's megatron state dict, local- or TE-spec names
+            (non-parameter entries such as ``_extra_state`` are ignored).
         args: the architecture.
 
     Returns:
@@ -127,14 +180,18 @@ def mcore_to_hf(shards: list[list[dict[str, torch.Tensor]]], args: ModelArgs) ->
     Raises:
         KeyError: a megatron tensor is missing (names it and the rank).
     """
+    shards = [[to_local_norm_names(sd) for sd in row] for row in shards]
     pp_size, tp_size = len(shards), len(shards[0])
     h = args.hidden_size
     nh, ng, hd = args.num_heads, args.num_kv_heads, args.head_dim
     qpg = nh // ng
     per_stage = args.num_layers // pp_size
 
-    def cat(pp, name, dim):
+    def cat(pp, name, dim, rank=0):
+        """TP shards of ``name`` concatenated along ``dim``, or rank ``rank``'s copy when ``dim`` is None."""
         try:
+            if dim is None:
+                return shards[pp][rank][name]
             return torch.cat([shards[pp][r][name] for r in range(tp_size)], dim=dim)
         except KeyError:
             raise KeyError(f"megatron checkpoint is missing tensor {name!r} on pipeline stage {pp}") from None
@@ -156,14 +213,14 @@ def mcore_to_hf(shards: list[list[dict[str, torch.Tensor]]], args: ModelArgs) ->
                 hf[p + "self_attn.k_proj.bias"] = b[:, qpg * hd: (qpg + 1) * hd].reshape(-1)
                 hf[p + "self_attn.v_proj.bias"] = b[:, (qpg + 1) * hd:].reshape(-1)
             hf[p + "self_attn.o_proj.weight"] = cat(pp, m + "self_attention.linear_proj.weight", 1)
-            hf[p + "input_layernorm.weight"] = shards[pp][0][m + "input_layernorm.weight"]
-            hf[p + "post_attention_layernorm.weight"] = shards[pp][0][m + "pre_mlp_layernorm.weight"]
-            fc1 = [shards[pp][r][m + "mlp.linear_fc1.weight"] for r in range(tp_size)]
+            hf[p + "input_layernorm.weight"] = cat(pp, m + "input_layernorm.weight", None)
+            hf[p + "post_attention_layernorm.weight"] = cat(pp, m + "pre_mlp_layernorm.weight", None)
+            fc1 = [cat(pp, m + "mlp.linear_fc1.weight", None, r) for r in range(tp_size)]
             hf[p + "mlp.gate_proj.weight"] = torch.cat([x.chunk(2, 0)[0] for x in fc1], 0)
             hf[p + "mlp.up_proj.weight"] = torch.cat([x.chunk(2, 0)[1] for x in fc1], 0)
             hf[p + "mlp.down_proj.weight"] = cat(pp, m + "mlp.linear_fc2.weight", 1)
     last = pp_size - 1
-    hf["model.norm.weight"] = shards[last][0]["decoder.final_layernorm.weight"]
+    hf["model.norm.weight"] = cat(last, "decoder.final_layernorm.weight", None)
     if not args.tie_word_embeddings:
         hf["lm_head.weight"] = cat(last, "output_layer.weight", 0)[: args.vocab_size]
     return {k: v.detach().clone().contiguous() for k, v in hf.items()}
