@@ -241,3 +241,37 @@ def test_te_packed_attention_equals_sdpa(mp1):
     core.use_te = False
     sd_m = core(qs.float(), ks.float(), vs.float(), mask)
     assert (te_m - sd_m).abs().max().item() <= 2e-2
+
+
+def test_trainer_packed_path_matches_two_stream(mp1, tmp_path):
+    """``--attention-path packed`` through the trainer (pretrain_jf's forward step and collate): the
+    losses and gradient norms of 3 optimizer steps equal ``two_stream``'s; bad combinations error."""
+    from functools import partial
+
+    import pretrain_jf
+    from megatron_jf.testing import save_tiny_hf
+    from megatron_jf.training.trainer import Trainer, TrainConfig
+    from train_fixtures import hf_weights_provider, write_shards
+
+    d = str(tmp_path)
+    save_tiny_hf(os.path.join(d, "hf"), "qwen2", seed=5, vocab=255, layers=2, tied=True, max_pos=128)
+    recs = [make_record(100 + i, prompt_len=4 + i % 3, block_size=4, num_blocks=3, vocab=255,
+                        last_block_len=3 if i % 4 == 1 else None) for i in range(4)]
+    write_shards(os.path.join(d, "train"), recs, per_shard=2)
+    hist = {}
+    for path in ("two_stream", "packed"):
+        cfg = TrainConfig(hf_config=os.path.join(d, "hf"), data=[os.path.join(d, "train")], block_size=4,
+                          window_size=2, train_steps=3, micro_batch_size=2, global_batch_size=2, lr=2e-3,
+                          warmup_steps=0, clip_grad=0.05, log_interval=100, progress=False, threads=1, seed=7,
+                          attention_path=path)
+        tr = Trainer(cfg, hf_weights_provider(os.path.join(d, "hf")), partial(pretrain_jf.forward_step, cfg=cfg),
+                     pretrain_jf.train_valid_datasets_provider)
+        hist[path] = tr.train()
+    for a, b in zip(hist["two_stream"], hist["packed"]):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * max(1.0, abs(a["loss"]))
+        assert abs(a["grad norm"] - b["grad norm"]) <= 1e-4 * a["grad norm"]
+    assert hist["packed"][0]["loss"] != hist["packed"][-1]["loss"]  # the optimizer moved the weights
+    base = dict(hf_config=os.path.join(d, "hf"), data=[os.path.join(d, "train")], block_size=4,
+                attention_path="packed", train_steps=1)
+    with pytest.raises(ValueError, match="needs --pp 1"):
+        TrainConfig(**base, pp=2).validate()

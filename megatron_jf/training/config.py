@@ -18,7 +18,7 @@ from megatron_jf.training.losses import CONSISTENCY_LOSSES, PC_NORMALIZATIONS, L
 __all__ = ["TrainConfig", "build_parser", "parse_config", "effective_seq_length", "lr_at"]
 
 OBJECTIVES = ("jf", "ar")
-ATTENTION_PATHS = ("two_stream", "dense", "flex")
+ATTENTION_PATHS = ("two_stream", "dense", "packed", "flex")
 MASKS = ("nc", "nc_ic", "clean")
 NOISE_SCHEDULES = ("progressive", "reverse", "random")
 CONSISTENCY_POSITIONS = ("all", "from_first_diff")
@@ -206,6 +206,10 @@ class TrainConfig:
             need(not (self.attention_path == "two_stream" and self.mask != "nc"),
                  f"--attention-path two_stream is exact only for --mask nc (got --mask {self.mask}); "
                  "use --attention-path dense")
+            need(not (self.attention_path == "packed" and self.mask == "nc" and self.pp > 1),
+                 "--attention-path packed (one THD row per microbatch) needs --pp 1; use two_stream with --pp > 1")
+            need(not (self.attention_path == "packed" and self.mask == "nc" and self.anchor_data),
+                 "--attention-path packed does not carry --anchor-data rows yet; use two_stream or dense")
             self.loss_config()  # validates the loss options
         else:
             need(self.seq_length is not None, "--seq-length is required for --objective ar")
