@@ -233,50 +233,99 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default: ``(default: X)``, or ``(required)``; a help text that
+    already states its default (e.g. "default: 3% of --train-steps") is left as written."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if "default" in h.lower() or action.default is argparse.SUPPRESS:
+            return h
+        if action.required:
+            return h + " (required)"
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            return h + f" (default: {'on' if action.default else 'off'})"
+        return h + " (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``pretrain_jf.py`` command line (unknown options are an argparse error)."""
+    """The ``pretrain_jf.py`` command line (unknown options are an argparse error).
+
+    Megatron-LM's flag names are accepted where the concept is the same (``--tensor-model-parallel-size``
+    = ``--tp``, ``--pipeline-model-parallel-size`` = ``--pp``, ``--train-iters`` = ``--train-steps``,
+    ``--lr-warmup-iters`` = ``--warmup-steps``, ``--data-path`` = ``--data``, ``--valid-data-path`` =
+    ``--valid-data``, ``--tokenizer-model`` = ``--tokenizer``, ``--bf16`` = ``--precision bf16``); the
+    shared names (``--micro-batch-size``, ``--lr``, ``--clip-grad``, ``--save-interval`` ...) mean what they
+    mean there. Every option's help shows its default.
+    """
     d = TrainConfig()
     p = argparse.ArgumentParser(
         prog="pretrain_jf.py",
-        description="Jacobi Forcing training on megatron-core (paper arXiv 2512.14681, Sec. 3.1).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        description="Jacobi Forcing training on megatron-core (paper arXiv 2512.14681, Sec. 3.1). "
+                    "Megatron-LM flag names are accepted where the concept matches.",
+        formatter_class=_HelpFormatter, allow_abbrev=False)
 
     def opt_bool(g, name, help):
         g.add_argument(name, action=argparse.BooleanOptionalAction, default=None, help=help)
 
     g = p.add_argument_group("parallelism and runtime")
-    g.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size")
-    g.add_argument("--pp", type=int, default=d.pp, help="pipeline-parallel size")
-    opt_bool(g, "--use-megatron-optimizer", "megatron DDP + optimizer (default: on iff CUDA)")
-    g.add_argument("--use-distributed-optimizer", action="store_true", help="shard optimizer state over DP (GPU)")
-    g.add_argument("--precision", choices=PRECISIONS, default=d.precision, help="weights/activations dtype")
-    g.add_argument("--threads", type=int, default=None, help="torch threads per process (CPU)")
+    g.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=d.tp,
+                   help="tensor-parallel size")
+    g.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=d.pp,
+                   help="pipeline-parallel size (data-parallel size = world / (tp * pp))")
+    opt_bool(g, "--use-megatron-optimizer", "megatron DDP + optimizer (default: on iff CUDA is available)")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard optimizer state over DP (megatron DistributedOptimizer; GPU)")
+    g.add_argument("--precision", choices=PRECISIONS, default=d.precision,
+                   help="weights/activations dtype (auto: bf16 on GPU with the megatron optimizer, else fp32)")
+    g.add_argument("--bf16", dest="precision", action="store_const", const="bf16", default=argparse.SUPPRESS,
+                   help="Megatron-LM spelling of --precision bf16 (default: off, i.e. --precision's default)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads per process (CPU; default: torch's own choice)")
     g.add_argument("--seed", type=int, default=d.seed, help="seed for init, data order and noise")
 
     g = p.add_argument_group("model")
     g.add_argument("--hf-config", default=None, help="HF directory with config.json (train from scratch)")
-    g.add_argument("--load", default=None, help="checkpoint to initialise the weights from")
+    g.add_argument("--load", default=None, help="checkpoint to initialise the weights from (iteration 0)")
 
     g = p.add_argument_group("data")
     g.add_argument("--objective", choices=OBJECTIVES, default=d.objective, help="jf: trajectories; ar: next-token")
-    g.add_argument("--data", nargs="+", required=True, help="training shards (dir/glob/manifest) or token files")
-    g.add_argument("--valid-data", nargs="+", default=None, help="held-out data, same format")
-    g.add_argument("--block-size", type=int, default=None, help="block size n of the shards (jf, required)")
-    g.add_argument("--window-size", type=int, default=d.window_size, help="noise window w (paper Eq. 7)")
-    g.add_argument("--noise-schedule", choices=NOISE_SCHEDULES, default=d.noise_schedule)
-    g.add_argument("--consistency-positions", choices=CONSISTENCY_POSITIONS, default=d.consistency_positions)
-    g.add_argument("--seq-length", type=int, default=None, help="model-input row length (see docs)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer dir (ar objective with JSONL)")
-    g.add_argument("--num-workers", type=int, default=d.num_workers, help="DataLoader workers per rank")
+    g.add_argument("--data", "--data-path", dest="data", nargs="+", required=True,
+                   help="training shards (dir/glob/manifest) for jf, or token files for ar")
+    g.add_argument("--valid-data", "--valid-data-path", dest="valid_data", nargs="+", default=None,
+                   help="held-out data in the same format")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="block size n of the shards (required for --objective jf)")
+    g.add_argument("--window-size", type=int, default=d.window_size,
+                   help="noise window w of the progressive schedule (paper Eq. 7); also the NC-IC window")
+    g.add_argument("--noise-schedule", choices=NOISE_SCHEDULES, default=d.noise_schedule,
+                   help="noise schedule within a window (progressive: paper Eq. 7)")
+    g.add_argument("--consistency-positions", choices=CONSISTENCY_POSITIONS, default=d.consistency_positions,
+                   help="which (block, offset) pairs carry L_pc (from_first_diff: official code)")
+    g.add_argument("--seq-length", type=int, default=None,
+                   help="model-input row length bound; rows are padded to it when --pp > 1 "
+                        "(default: the model context; dense path: twice it)")
+    g.add_argument("--tokenizer", "--tokenizer-model", dest="tokenizer", default=None,
+                   help="tokenizer directory (ar objective with JSONL text, anchor JSONL)")
+    g.add_argument("--num-workers", type=int, default=d.num_workers, help="DataLoader worker processes per rank")
 
     g = p.add_argument_group("Jacobi Forcing objective")
-    g.add_argument("--attention-path", choices=ATTENTION_PATHS, default=d.attention_path)
-    g.add_argument("--mask", choices=MASKS, default=d.mask)
-    g.add_argument("--consistency-loss", choices=CONSISTENCY_LOSSES, default=d.consistency_loss)
-    g.add_argument("--kl-temperature", type=float, default=d.kl_temperature)
+    g.add_argument("--attention-path", choices=ATTENTION_PATHS, default=d.attention_path,
+                   help="how the noisy and clean streams are attended (two_stream: exact for --mask nc; packed: "
+                        "both streams of every sample in one THD row, TE varlen attention on GPU)")
+    g.add_argument("--mask", choices=MASKS, default=d.mask,
+                   help="attention mask of the noisy stream (nc: paper; nc_ic: Table 5; clean: CLLM)")
+    g.add_argument("--consistency-loss", choices=CONSISTENCY_LOSSES, default=d.consistency_loss,
+                   help="kl: paper Eq. 8; soft_ce: official code; hard: CE on fixed-point tokens")
+    g.add_argument("--kl-temperature", type=float, default=d.kl_temperature,
+                   help="softmax temperature of the consistency loss")
     g.add_argument("--pc-weight", type=float, default=d.pc_weight, help="weight of L_pc")
-    g.add_argument("--ar-weight", type=float, default=d.ar_weight, help="weight of L_AR (reference: 10)")
-    g.add_argument("--pc-normalization", choices=PC_NORMALIZATIONS, default=d.pc_normalization)
+    g.add_argument("--ar-weight", type=float, default=d.ar_weight,
+                   help="weight of L_AR (paper Eq. 9: L = L_pc + w L_AR, the same symbol as the window w of Eq. 7; "
+                        "official code: 10)")
+    g.add_argument("--pc-normalization", choices=PC_NORMALIZATIONS, default=d.pc_normalization,
+                   help="paper: per-block mean, then 1/N over blocks; reference: official code's mean over "
+                        "positions / N")
     g.add_argument("--anchor-data", nargs="+", default=None, metavar="PATH",
                    help="real-text token files (.npy/.bin/.jsonl) for the anchor term (next-token CE on real "
                         "text in the same steps; JSONL needs --tokenizer)")
@@ -287,31 +336,43 @@ def build_parser() -> argparse.ArgumentParser:
                    help="anchor text rows per JF microbatch (default: --micro-batch-size)")
 
     g = p.add_argument_group("optimisation")
-    g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
-    g.add_argument("--global-batch-size", type=int, default=None, help="default: micro-batch-size * dp")
-    g.add_argument("--lr", type=float, default=d.lr)
-    g.add_argument("--min-lr", type=float, default=d.min_lr)
-    g.add_argument("--warmup-steps", type=int, default=None, help="default: 3%% of --train-steps")
-    g.add_argument("--train-steps", type=int, required=True)
-    g.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    g.add_argument("--adam-beta1", type=float, default=d.adam_beta1)
-    g.add_argument("--adam-beta2", type=float, default=d.adam_beta2)
-    g.add_argument("--adam-eps", type=float, default=d.adam_eps)
-    g.add_argument("--clip-grad", type=float, default=d.clip_grad, help="0 disables")
+    g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size,
+                   help="samples per microbatch per data-parallel rank")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per optimizer step over all DP ranks; a multiple of micro-batch-size x dp "
+                        "(default: micro-batch-size x dp)")
+    g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=d.min_lr, help="final learning rate of the cosine decay")
+    g.add_argument("--warmup-steps", "--lr-warmup-iters", dest="warmup_steps", type=int, default=None,
+                   help="linear warmup steps (default: 3%% of --train-steps)")
+    g.add_argument("--train-steps", "--train-iters", dest="train_steps", type=int, required=True,
+                   help="optimizer steps to train")
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay,
+                   help="AdamW decoupled weight decay on matrices (none on biases and norms)")
+    g.add_argument("--adam-beta1", type=float, default=d.adam_beta1, help="AdamW beta1")
+    g.add_argument("--adam-beta2", type=float, default=d.adam_beta2, help="AdamW beta2")
+    g.add_argument("--adam-eps", type=float, default=d.adam_eps, help="AdamW epsilon")
+    g.add_argument("--clip-grad", type=float, default=d.clip_grad, help="global gradient-norm clip (0 disables)")
 
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None, help="checkpoint dir (resumes from its latest checkpoint)")
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--keep-last", type=int, default=None)
-    g.add_argument("--exit-interval", type=int, default=None, help="save and stop at a multiple of this")
+    g.add_argument("--save-interval", type=int, default=None,
+                   help="save every this many steps (default: only at the end)")
+    g.add_argument("--keep-last", type=int, default=None, help="keep only this many newest checkpoints "
+                   "(default: keep all)")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="save and stop at a multiple of this iteration (default: never)")
 
     g = p.add_argument_group("logging and validation")
-    g.add_argument("--log-interval", type=int, default=d.log_interval)
-    g.add_argument("--eval-interval", type=int, default=None)
-    g.add_argument("--eval-iters", type=int, default=None)
-    g.add_argument("--log-file", default=None, help="JSONL metrics file (appended)")
-    g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=d.progress)
+    g.add_argument("--log-interval", type=int, default=d.log_interval, help="print metrics every this many steps")
+    g.add_argument("--eval-interval", type=int, default=None,
+                   help="validate every this many steps (default: never; needs --valid-data)")
+    g.add_argument("--eval-iters", type=int, default=None,
+                   help="validation microbatches per evaluation (default: the whole validation set)")
+    g.add_argument("--log-file", default=None, help="JSONL metrics file, appended on rank 0")
+    g.add_argument("--tensorboard-dir", default=None, help="TensorBoard event directory")
+    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=d.progress,
+                   help="progress bar on rank 0")
     return p
 
 
