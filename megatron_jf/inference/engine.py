@@ -30,11 +30,17 @@ Decoders differ only in the draft they keep:
                     the candidate with the most greedily-matching tokens is verified and wins.
 
 Stopping: any of ``eos_ids`` (kept in the output, nothing after it emitted, counted or cached),
-stop strings (needs ``detokenize``; output cut before the string), and ``max_new_tokens`` exactly.
+stop strings (needs ``detokenize``; the output ends right before the first occurrence of any of them,
+see :class:`GenerationResult`), and ``max_new_tokens`` exactly.
+
+Batching: :class:`BatchSession` (``Engine.open_batch``) is the step-level API -- rows carry their own
+decode config, sampling parameters, ``max_new_tokens``, EOS ids and stop strings, join between steps and
+leave when finished or removed; :meth:`Engine.generate` is one session stepped to the end.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import struct
@@ -98,8 +104,12 @@ class GenerationResult:
     """Output and metrics of one request.
 
     Attributes:
-        tokens: emitted token ids (EOS included when it ended the output).
+        tokens: emitted token ids (EOS included when it ended the output). With a stop string: the tokens
+            whose text lies entirely before its first occurrence.
         finish_reason: ``eos``, ``stop`` (a stop string) or ``length``.
+        tail_text: with a stop string, the text between ``detokenize(tokens)`` and the stop string (the
+            start of a token that straddles it; usually ``""``). The output text is
+            ``detokenize(tokens) + tail_text``.
         forwards: decode forward passes (prefill not counted).
         accepted: tokens emitted by each decode forward.
         prefill_s, decode_s: wall seconds.
@@ -114,6 +124,7 @@ class GenerationResult:
     decode_s: float
     prompt_len: int
     trajectory: list[dict] | None = None
+    tail_text: str = ""
 
     @property
     def tpf(self) -> float:
@@ -128,15 +139,23 @@ class GenerationResult:
 
 @dataclass
 class _Row:
-    idx: int
+    key: int
     prompt: list[int]
+    cfg: DecodeConfig
+    sampling: SamplingParams
+    max_new: int
+    eos_ids: frozenset
+    stops: tuple[str, ...]
+    slot: int = -1
     out: list[int] = field(default_factory=list)
+    sent: int = 0                                     # tokens of `out` passed to on_tokens so far
     last: int = 0
     draft: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)   # mr: end offsets (output index) of blocks in flight
     block_end: int = 0                                # jacobi: output index where the current block ends
     done: bool = False
     finish: str = ""
+    tail: str = ""
     forwards: int = 0
     accepted: list[int] = field(default_factory=list)
     rng: random.Random | None = None
@@ -144,10 +163,19 @@ class _Row:
     pool: NGramPool | None = None
     spare: int | None = None                          # prediction just past the draft (mr spawn seed)
     traj: list[dict] | None = None
+    prefill_s: float = 0.0
     decode_s: float = 0.0
-    # per-forward layout, filled by _plan
+    # per-forward layout, filled before each forward
     n_main: int = 0
     cands: list[list[int]] = field(default_factory=list)
+
+
+def forward_width(cfg: DecodeConfig) -> int:
+    """Tokens one row forwards per decode step under ``cfg`` (``last`` + drafts + recycled candidates):
+    AR 1, Jacobi / running window ``n + 1``, MR ``1 + K*n + (v-1)*n``."""
+    n = cfg.block_size
+    return {"ar": 1, "jacobi": n + 1, "running-window": n + 1,
+            "mr": 1 + cfg.num_blocks * n + (cfg.verification_size - 1) * n}[cfg.decoder]
 
 
 class Engine:
@@ -168,6 +196,19 @@ class Engine:
         self.vocab_size = m.vocab_size_unpadded
 
     # ------------------------------------------------------------------ public API
+    def open_batch(self, capacity: int, *, max_width: int = 256, max_len: int | None = None,
+                   detokenize=None) -> "BatchSession":
+        """A step-level decoding session of at most ``capacity`` rows (continuous batching).
+
+        Args:
+            capacity: most rows decoding at once (KV-cache rows, reused as rows finish).
+            max_width: most tokens one row may forward per step (see :func:`forward_width`); rows whose
+                config needs more are refused by :meth:`BatchSession.add`.
+            max_len: KV slots per row (default ``max_context + max_width + 1``).
+            detokenize: ``ids -> str``, needed by rows with stop strings.
+        """
+        return BatchSession(self, capacity, max_width=max_width, max_len=max_len, detokenize=detokenize)
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], config: DecodeConfig = DecodeConfig(), *,
                  max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
@@ -175,16 +216,19 @@ class Engine:
                  detokenize=None, record_trajectory: bool = False, on_tokens=None) -> list[GenerationResult]:
         """Generate for a batch of prompts (rows decode independently; shapes are padded per forward).
 
+        One :class:`BatchSession` with every prompt added up front, stepped until all rows finish.
+
         Args:
             prompts: token ids per request (each non-empty).
             config: decoder and its parameters.
             max_new_tokens: exact cap on emitted tokens per request (>= 1).
             sampling: greedy (default) or sampling parameters; request ``i`` uses seed ``seed + i``.
             eos_ids: tokens that end a request (kept as its last token).
-            stop_strings: strings that end a request (needs ``detokenize(ids) -> str``); the output is
-                cut before the string.
+            stop_strings: strings that end a request (needs ``detokenize(ids) -> str``): the output
+                ends right before the first occurrence of any of them (see :class:`GenerationResult`).
             record_trajectory: keep every block's intermediate drafts (``jacobi`` decoder only).
-            on_tokens: optional callback ``(row_index, new_token_ids)`` called as tokens are committed.
+            on_tokens: optional callback ``(row_index, new_token_ids)`` called as tokens are final
+                (with stop strings, tokens that may start a stop string are held back until decided).
 
         Returns:
             one :class:`GenerationResult` per prompt, in order.
@@ -194,143 +238,259 @@ class Engine:
                 ``max_new_tokens``, ``max_new_tokens < 1``, stop strings without ``detokenize``, or
                 trajectory recording with a decoder other than ``jacobi``.
         """
+        if not prompts:
+            return []
+        width = forward_width(config)
+        max_len = max(len(p) for p in prompts) + max_new_tokens + width + 1
+        sess = BatchSession(self, len(prompts), max_width=width, max_len=max_len, detokenize=detokenize)
+        for i, p in enumerate(prompts):
+            sess.add(p, config, max_new_tokens=max_new_tokens, sampling=sampling, seed=sampling.seed + i,
+                     eos_ids=eos_ids, stop_strings=stop_strings, record_trajectory=record_trajectory,
+                     name=f"prompt {i}")
+        results: dict[int, GenerationResult] = {}
+        while sess.num_rows:
+            for key, res in sess.step(on_tokens):
+                results[key] = res
+        return [results[i] for i in range(len(prompts))]
+
+
+class BatchSession:
+    """Continuous batching: rows with their own decode config, sampling parameters, ``max_new_tokens``,
+    EOS ids and stop strings decode together, one forward per :meth:`step` for every row.
+
+    A row :meth:`add`-ed between steps is prefilled at the start of the next step and then joins that
+    step's decode forward; a row :meth:`remove`-d (e.g. its client disconnected) leaves before the next
+    forward. Rows occupy a compact prefix of the KV-cache rows (a finishing row's slot is filled by the
+    last row), so a forward covers only the live rows. A row's output does not depend on the other rows
+    (shapes are padded per forward), so greedy output equals offline :meth:`Engine.generate`, and sampled
+    rows draw from their own seeded generator.
+
+    Create with :meth:`Engine.open_batch`. Not thread-safe: one thread calls add/remove/step.
+    """
+
+    def __init__(self, engine: Engine, capacity: int, *, max_width: int, max_len: int | None, detokenize):
+        if capacity < 1 or max_width < 1:
+            raise ValueError(f"capacity and max_width must be >= 1, got {capacity}, {max_width}")
+        self.engine = engine
+        self.model = engine.model
+        self.max_context = engine.max_context
+        self.capacity = capacity
+        self.max_width = max_width
+        self.max_len = max_len or (engine.max_context + max_width + 1)
+        self.detokenize = detokenize
+        self.cache = new_kv_cache(self.model, capacity, self.max_len)
+        self._rows: list[_Row] = []        # live rows; row i sits in cache slot i
+        self._pending: list[_Row] = []     # added, not prefilled yet
+        self._keys = itertools.count()
+
+    # ------------------------------------------------------------------ rows in and out
+    @property
+    def num_rows(self) -> int:
+        """Rows decoding or waiting for their prefill."""
+        return len(self._rows) + len(self._pending)
+
+    @property
+    def free(self) -> int:
+        """Rows that can still be added."""
+        return self.capacity - self.num_rows
+
+    def add(self, prompt: list[int], config: DecodeConfig = DecodeConfig(), *, max_new_tokens: int = 128,
+            sampling: SamplingParams = SamplingParams(), seed: int | None = None,
+            eos_ids: frozenset[int] | set[int] = frozenset(), stop_strings: tuple[str, ...] = (),
+            record_trajectory: bool = False, name: str = "prompt") -> int:
+        """Queue one request; it joins at the next :meth:`step`. Returns its key (for results and on_tokens).
+
+        Args:
+            prompt: token ids (non-empty).
+            config, max_new_tokens, eos_ids, stop_strings, record_trajectory: as in :meth:`Engine.generate`.
+            sampling: greedy or sampled; ``seed`` (default ``sampling.seed``) seeds this row's sampling
+                generator. The draft initialisation is seeded by ``sampling.seed`` and the prompt.
+
+        Raises:
+            ValueError: no free row, an empty prompt, prompt + ``max_new_tokens`` past the context window,
+                ``max_new_tokens < 1``, a config wider than ``max_width`` tokens per forward, stop strings
+                without a detokenize function, trajectories with a decoder other than ``jacobi``.
+        """
+        if self.free <= 0:
+            raise ValueError(f"the batch is full ({self.capacity} rows)")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if stop_strings and detokenize is None:
+        if stop_strings and self.detokenize is None:
             raise ValueError("stop strings need a detokenize function")
         if record_trajectory and config.decoder != "jacobi":
             raise ValueError("trajectories are recorded by the 'jacobi' decoder")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty")
-            if len(p) + max_new_tokens > self.max_context:
-                raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it exceeds "
-                                 f"the context window of {self.max_context} tokens")
-        cfg = config
-        n = cfg.block_size
-        width = {"ar": 1, "jacobi": n + 1, "running-window": n + 1,
-                 "mr": 1 + cfg.num_blocks * n + (cfg.verification_size - 1) * n}[cfg.decoder]
-        B = len(prompts)
-        max_len = max(len(p) for p in prompts) + max_new_tokens + width + 1
-        cache = new_kv_cache(self.model, B, max_len)
-        rows = [self._new_row(i, p, cfg, sampling, record_trajectory) for i, p in enumerate(prompts)]
-
-        # prefill: everything but the last prompt token (which is `last`, forwarded with the first draft)
-        t0 = time.perf_counter()
-        P = max(len(p) for p in prompts)
-        if P > 1:
-            toks = torch.zeros(B, P - 1, dtype=torch.long)
-            for r in rows:
-                toks[r.idx, : len(r.prompt) - 1] = torch.tensor(r.prompt[:-1])
-            forward_logits(self.model, toks, torch.arange(P - 1).expand(B, P - 1), kv_cache=cache)
-            cache.commit([len(r.prompt) - 1 for r in rows])
-        prefill_s = time.perf_counter() - t0
-
-        while True:
-            active = [r for r in rows if not r.done]
-            if not active:
-                break
-            t1 = time.perf_counter()
-            self._step(rows, active, cfg, cache, sampling, eos_ids, max_new_tokens, stop_strings, detokenize, on_tokens)
-            dt = time.perf_counter() - t1
-            for r in active:
-                r.decode_s += dt
-            if self.check_invariants:
-                for r in rows:  # the cache holds prompt + emitted tokens, all but the newest one
-                    want = len(r.prompt) + len(r.out) - 1
-                    if int(cache.lengths[r.idx]) != want:
-                        raise AssertionError(f"row {r.idx}: cache length {int(cache.lengths[r.idx])} != {want}")
-        for r in rows:
-            if r.traj is not None:
-                _close_trajectory(r, cfg.block_size)
-        return [GenerationResult(tokens=r.out, finish_reason=r.finish, forwards=r.forwards, accepted=r.accepted,
-                                 prefill_s=prefill_s, decode_s=r.decode_s, prompt_len=len(r.prompt),
-                                 trajectory=r.traj) for r in rows]
-
-    # ------------------------------------------------------------------ rows
-    def _new_row(self, i, prompt, cfg, sampling, record):
-        r = _Row(idx=i, prompt=list(prompt), last=prompt[-1])
+        if len(prompt) == 0:
+            raise ValueError(f"{name} is empty")
+        if len(prompt) + max_new_tokens > self.max_context:
+            raise ValueError(f"{name} has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} it exceeds "
+                             f"the context window of {self.max_context} tokens")
+        w = forward_width(config)
+        if w > self.max_width:
+            raise ValueError(f"decode config forwards {w} tokens per step; this batch allows at most {self.max_width}")
+        if len(prompt) + max_new_tokens + w + 1 > self.max_len:
+            raise ValueError(f"{name}: prompt + max_new_tokens + {w} draft tokens exceed the KV cache "
+                             f"({self.max_len} slots)")
+        r = _Row(key=next(self._keys), prompt=list(prompt), cfg=config, sampling=sampling, max_new=max_new_tokens,
+                 eos_ids=frozenset(eos_ids), stops=tuple(stop_strings), last=prompt[-1])
         # draft initialisation depends on the prompt and seed only, not on the batch it runs in
         r.rng = random.Random(zlib.crc32(struct.pack(f"<q{len(prompt)}q", sampling.seed, *prompt)))
         if not sampling.greedy:
-            r.gen = torch.Generator().manual_seed(sampling.seed + i)
-        n = cfg.block_size
-        if cfg.decoder == "jacobi":
+            r.gen = torch.Generator().manual_seed(sampling.seed if seed is None else seed)
+        n = config.block_size
+        if config.decoder == "jacobi":
             r.block_end = n
-            r.draft = self._init(r, n, cfg)
-            if record:
+            r.draft = self._init(r, n)
+            if record_trajectory:
                 r.traj = [{"context_len": len(r.prompt), "drafts": [list(r.draft)]}]
-        elif cfg.decoder == "running-window":
-            r.draft = self._init(r, n, cfg)
-        elif cfg.decoder == "mr":
+        elif config.decoder == "running-window":
+            r.draft = self._init(r, n)
+        elif config.decoder == "mr":
             r.blocks = [n]
-            r.draft = self._init(r, n, cfg)
-            r.pool = NGramPool(ngram_len=n, max_per_key=cfg.ngram_pool_size)
-        return r
+            r.draft = self._init(r, n)
+            r.pool = NGramPool(ngram_len=n, max_per_key=config.ngram_pool_size)
+        self._pending.append(r)
+        return r.key
 
-    def _init(self, r: _Row, k: int, cfg: DecodeConfig) -> list[int]:
+    def remove(self, key: int) -> bool:
+        """Drop a row (waiting or decoding) now: it takes no further forward and yields no result.
+        Returns False when ``key`` is not in the batch (already finished or removed)."""
+        for lst in (self._pending, self._rows):
+            for i, r in enumerate(lst):
+                if r.key == key:
+                    if lst is self._rows:
+                        self._release(i)
+                    else:
+                        del lst[i]
+                    return True
+        return False
+
+    def _release(self, i: int) -> None:
+        """Free cache slot ``i``: the last live row moves into it, so live rows stay a prefix."""
+        last = len(self._rows) - 1
+        if i != last:
+            moved = self._rows[last]
+            self.cache.copy_row(last, i)
+            moved.slot = i
+            self._rows[i] = moved
+        self.cache.lengths[last] = 0
+        self._rows.pop()
+
+    # ------------------------------------------------------------------ one step
+    @torch.no_grad()
+    def step(self, on_tokens=None) -> list[tuple[int, GenerationResult]]:
+        """Prefill rows added since the last step, then one decode forward for every live row.
+
+        Args:
+            on_tokens: optional ``(key, new_token_ids)`` callback for tokens that became final.
+
+        Returns:
+            ``(key, GenerationResult)`` for each row that finished in this step (its slot is freed).
+        """
+        if self._pending:
+            self._prefill()
+        if not self._rows:
+            return []
+        t1 = time.perf_counter()
+        m = len(self._rows)
+        cache = _rows_view(self.cache, m)
+        rows = self._rows
+        seqs = []
+        for r in rows:
+            if r.cfg.decoder == "mr":
+                self._mr_candidates(r)
+            else:
+                r.cands = []
+            r.n_main = 1 + len(r.draft)
+            seq = [r.last] + r.draft
+            for c in r.cands:
+                seq = seq + c
+            seqs.append(seq)
+        s = max(len(x) for x in seqs)
+        toks = torch.zeros(m, s, dtype=torch.long)
+        pos = torch.zeros(m, s, dtype=torch.long)
+        tree = None
+        if any(r.cands for r in rows):
+            tree = torch.ones(m, s, s, dtype=torch.bool).tril_()
+        for i, (r, seq) in enumerate(zip(rows, seqs)):
+            base = len(r.prompt) + len(r.out) - 1  # position of `last`
+            toks[i, : len(seq)] = torch.tensor(seq)
+            p = list(range(base, base + r.n_main))
+            off = r.n_main
+            for c in r.cands:
+                p += list(range(base + 1, base + 1 + len(c)))
+                # a candidate sees `last` and itself, not the main chain or other candidates
+                tree[i, off:off + len(c), 1:off] = False
+                tree[i, off:, off:off + len(c)] &= False
+                tree[i, off:off + len(c), off:off + len(c)] = torch.ones(len(c), len(c), dtype=torch.bool).tril_()
+                off += len(c)
+            pos[i, : len(p)] = torch.tensor(p)
+            pos[i, len(p):] = base + r.n_main  # padding: causal tail, never committed
+        logits = forward_logits(self.model, toks, pos, kv_cache=cache, new_mask=tree)
+        keep = [self._update(r, logits[i], on_tokens) for i, r in enumerate(rows)]
+        cache.commit(keep)
+        dt = time.perf_counter() - t1
+        for r in rows:
+            r.decode_s += dt
+        if self.engine.check_invariants:
+            for i, r in enumerate(rows):  # the cache holds prompt + emitted tokens, all but the newest one
+                want = len(r.prompt) + len(r.out) - 1
+                if int(self.cache.lengths[i]) != want and not r.done:
+                    raise AssertionError(f"row {r.key}: cache length {int(self.cache.lengths[i])} != {want}")
+        finished = []
+        for i in range(len(rows) - 1, -1, -1):
+            r = rows[i]
+            if r.done:
+                if r.traj is not None:
+                    _close_trajectory(r, r.cfg.block_size)
+                finished.append((r.key, GenerationResult(
+                    tokens=r.out, finish_reason=r.finish, forwards=r.forwards, accepted=r.accepted,
+                    prefill_s=r.prefill_s, decode_s=r.decode_s, prompt_len=len(r.prompt), trajectory=r.traj,
+                    tail_text=r.tail)))
+                self._release(i)
+        finished.reverse()
+        return finished
+
+    def _prefill(self) -> None:
+        """Forward every pending row's prompt but its last token (which is ``last``, forwarded with the
+        first draft) in a scratch cache and move the keys/values into free slots."""
+        new, self._pending = self._pending, []
+        t0 = time.perf_counter()
+        P = max(len(r.prompt) for r in new)
+        base = len(self._rows)
+        if P > 1:
+            tmp = new_kv_cache(self.model, len(new), P - 1)
+            toks = torch.zeros(len(new), P - 1, dtype=torch.long)
+            for i, r in enumerate(new):
+                toks[i, : len(r.prompt) - 1] = torch.tensor(r.prompt[:-1])
+            forward_logits(self.model, toks, torch.arange(P - 1).expand(len(new), P - 1), kv_cache=tmp)
+            for i, r in enumerate(new):
+                L = len(r.prompt) - 1
+                self.cache.k[:, base + i, :, :L] = tmp.k[:, i, :, :L]
+                self.cache.v[:, base + i, :, :L] = tmp.v[:, i, :, :L]
+        dt = time.perf_counter() - t0
+        for i, r in enumerate(new):
+            r.slot = base + i
+            self.cache.lengths[base + i] = len(r.prompt) - 1
+            r.prefill_s = dt
+            self._rows.append(r)
+
+    def _init(self, r: _Row, k: int) -> list[int]:
         """``k`` initial draft tokens: drawn uniformly from prompt + output, or the last token repeated."""
         if k <= 0:
             return []
-        if cfg.draft_init == "repeat":
+        if r.cfg.draft_init == "repeat":
             return [r.last] * k
         ctx_len = len(r.prompt) + len(r.out)
         picks = [r.rng.randrange(ctx_len) for _ in range(k)]
         P = len(r.prompt)
         return [r.prompt[j] if j < P else r.out[j - P] for j in picks]
 
-    # ------------------------------------------------------------------ one iteration for all active rows
-    def _step(self, rows, active, cfg, cache, sampling, eos_ids, max_new, stop_strings, detokenize, on_tokens):
-        B = len(rows)
-        seqs, masks, poss = {}, {}, {}
-        for r in active:
-            if cfg.decoder == "mr":
-                self._mr_candidates(r, cfg)
-            r.n_main = 1 + len(r.draft)
-            seq = [r.last] + r.draft
-            for c in r.cands:
-                seq = seq + c
-            seqs[r.idx] = seq
-        s = max(len(x) for x in seqs.values())
-        toks = torch.zeros(B, s, dtype=torch.long)
-        pos = torch.zeros(B, s, dtype=torch.long)
-        tree = None
-        if any(r.cands for r in active):
-            tree = torch.ones(B, s, s, dtype=torch.bool).tril_()
-        for r in active:
-            seq = seqs[r.idx]
-            base = len(r.prompt) + len(r.out) - 1  # position of `last`
-            toks[r.idx, : len(seq)] = torch.tensor(seq)
-            p = list(range(base, base + r.n_main))
-            off = r.n_main
-            for c in r.cands:
-                p += list(range(base + 1, base + 1 + len(c)))
-                # a candidate sees `last` and itself, not the main chain or other candidates
-                tree[r.idx, off:off + len(c), 1:off] = False
-                tree[r.idx, off:, off:off + len(c)] &= False
-                tree[r.idx, off:off + len(c), off:off + len(c)] = torch.ones(len(c), len(c), dtype=torch.bool).tril_()
-                off += len(c)
-            pos[r.idx, : len(p)] = torch.tensor(p)
-            pos[r.idx, len(p):] = base + r.n_main  # padding: causal tail, never committed
-        for r in rows:
-            if r.done:  # finished rows forward padding; their cache length does not move
-                pos[r.idx] = len(r.prompt) + len(r.out)
-        logits = forward_logits(self.model, toks, pos, kv_cache=cache, new_mask=tree)
-        keep = []
-        for r in rows:
-            if r.done:
-                keep.append(0)
-                continue
-            keep.append(self._update(r, logits[r.idx], cfg, sampling, eos_ids, max_new, stop_strings, detokenize,
-                                     on_tokens))
-        cache.commit(keep)
-
-    def _update(self, r: _Row, logits: torch.Tensor, cfg, sampling, eos_ids, max_new, stop_strings, detokenize,
-                on_tokens):
+    def _update(self, r: _Row, logits: torch.Tensor, on_tokens):
         """Verify this row's drafts, emit tokens, choose the KV slots to keep, build the next draft.
 
         Returns the row's ``KVCache.commit`` entry: a count (prefix of this forward's tokens) or slot indices.
         """
+        cfg = r.cfg
         n = cfg.block_size
         main = logits[: r.n_main]  # row j predicts draft[j]; the last row predicts past the draft
         g = main.argmax(-1).tolist()
@@ -347,37 +507,47 @@ class Engine:
                     best_k, best = k, (c, lg, off)
                 off += len(c)
         if best is None:
-            emitted = verify(r.draft, main, sampling, r.gen)
+            emitted = verify(r.draft, main, r.sampling, r.gen)
             slots = None
         else:
             c, lg, off = best
-            emitted = verify(c, lg, sampling, r.gen)
+            emitted = verify(c, lg, r.sampling, r.gen)
             slots = [0] + list(range(off, off + len(emitted) - 1))
         from_draft = len(emitted) - 1
         finish = ""
         for j, t in enumerate(emitted):
-            if t in eos_ids:
+            if t in r.eos_ids:
                 emitted, finish = emitted[: j + 1], "eos"
                 break
-        room = max_new - len(r.out)
+        room = r.max_new - len(r.out)
         if len(emitted) > room:
             emitted = emitted[:room]
-            finish = "eos" if emitted and emitted[-1] in eos_ids else "length"
+            finish = "eos" if emitted and emitted[-1] in r.eos_ids else "length"
         elif len(emitted) == room and not finish:
             finish = "length"
         prev_len = len(r.out)
         r.out.extend(emitted)
-        if stop_strings and finish != "eos":
-            cut = _find_stop(r.out, prev_len, stop_strings, detokenize)
+        safe = len(r.out)
+        if r.stops:
+            cut, tail, safe = _find_stop(r.out, r.sent, r.stops, self.detokenize)
             if cut is not None:
                 del r.out[cut:]
-                emitted, finish = r.out[prev_len:], "stop"
+                r.tail, finish, safe = tail, "stop", cut
+                emitted = r.out[prev_len:]
+                if cut < prev_len:  # the stop string began in an earlier forward's tokens: uncount them
+                    total = 0
+                    for j, a in enumerate(r.accepted):
+                        r.accepted[j] = min(a, cut - total)
+                        total += r.accepted[j]
+            elif finish:
+                safe = len(r.out)  # nothing can follow: whatever was held back is final
         r.forwards += 1
         r.accepted.append(len(emitted))
-        if on_tokens is not None and emitted:
-            on_tokens(r.idx, list(emitted))
+        if on_tokens is not None and safe > r.sent:
+            on_tokens(r.key, r.out[r.sent:safe])
+        r.sent = max(r.sent, safe)
         # keep `last` and the emitted tokens before the new `last` (which is forwarded next time)
-        keep = len(emitted) if slots is None else slots[: len(emitted)]
+        keep = max(len(emitted), 0) if slots is None else slots[: len(emitted)]
         if finish:
             r.done, r.finish = True, finish
             return keep
@@ -386,16 +556,16 @@ class Engine:
         if cfg.decoder == "ar":
             r.draft = []
         elif cfg.decoder == "jacobi":
-            self._jacobi_next(r, g, from_draft, cfg)
+            self._jacobi_next(r, g, from_draft)
         elif cfg.decoder == "running-window":
             nxt = g[from_draft + 1:] if best is None else []
-            r.draft = (nxt + self._init(r, n - len(nxt), cfg))[:n]
+            r.draft = (nxt + self._init(r, n - len(nxt)))[:n]
         else:
-            self._mr_next(r, g, k_main, old_e, cfg)
+            self._mr_next(r, g, k_main, old_e)
         return keep
 
-    def _jacobi_next(self, r: _Row, g, k, cfg):
-        n = cfg.block_size
+    def _jacobi_next(self, r: _Row, g, k):
+        n = r.cfg.block_size
         e = len(r.out)
         rest = r.block_end - e  # unknown positions left in this block
         if r.traj is not None:
@@ -412,14 +582,15 @@ class Engine:
             blk["fixed_point"] = r.out[start: r.block_end]
         while r.block_end <= e:
             r.block_end += n
-        r.draft = self._init(r, r.block_end - e, cfg)
+        r.draft = self._init(r, r.block_end - e)
         if r.traj is not None:
             start = r.block_end - n
             r.traj.append({"context_len": len(r.prompt) + start, "drafts": [r.out[start:] + r.draft]})
 
     # ------------------------------------------------------------------ MR
-    def _mr_candidates(self, r: _Row, cfg):
+    def _mr_candidates(self, r: _Row):
         """Recycled candidates for the RA part of the draft, from the n-gram pool (suffix match on the context)."""
+        cfg = r.cfg
         r.cands = []
         if cfg.verification_size <= 1 or not r.draft:
             return
@@ -432,8 +603,9 @@ class Engine:
             c = c[:ra_len]
             r.cands.append(c + r.draft[len(c):ra_len])
 
-    def _mr_next(self, r: _Row, g: list[int], k_main: int, old_e: int, cfg):
+    def _mr_next(self, r: _Row, g: list[int], k_main: int, old_e: int):
         """Jacobi-update the blocks in flight, retire completed ones, recycle rejections, maybe spawn."""
+        cfg = r.cfg
         n = cfg.block_size
         e = len(r.out)
         old_draft = r.draft  # old_draft[j] guessed output index old_e + j; g[j] is this forward's prediction
@@ -447,7 +619,7 @@ class Engine:
             blocks = [(e // n + 1) * n]
         total = blocks[-1] - e
         nxt = g[shift: len(old_draft)][:total]
-        r.draft = nxt + self._init(r, total - len(nxt), cfg)
+        r.draft = nxt + self._init(r, total - len(nxt))
         r.blocks = blocks
         if len(blocks) >= cfg.num_blocks:
             return
@@ -461,7 +633,7 @@ class Engine:
                 stable += 1
         if stable >= math.ceil(cfg.spawn_threshold * n):
             head = [spare] if spare is not None else []
-            r.draft = r.draft + (head + self._init(r, n - len(head), cfg))[:n]
+            r.draft = r.draft + (head + self._init(r, n - len(head)))[:n]
             r.blocks.append(blocks[-1] + n)
 
 
@@ -492,14 +664,50 @@ def _matches(draft: list[int], g: list[int]) -> int:
     return k
 
 
-def _find_stop(out: list[int], new_from: int, stops: tuple[str, ...], detokenize) -> int | None:
-    """Smallest token count ``c >= new_from`` such that ``detokenize(out[:c])`` contains a stop string; the
-    output is then cut to the tokens before the one completing it."""
+def _rows_view(cache, m: int):
+    """A :class:`~megatron_jf.models.kv_cache.KVCache` over rows ``[0, m)`` of ``cache``, sharing its buffers
+    and lengths (a forward and commit on the view act on those rows only)."""
+    if m == cache.batch_size:
+        return cache
+    v = object.__new__(type(cache))
+    v.__dict__.update(cache.__dict__)
+    v.k, v.v, v.lengths, v.batch_size, v._step = cache.k[:, :m], cache.v[:, :m], cache.lengths[:m], m, None
+    return v
+
+
+def _find_stop(out: list[int], sent: int, stops: tuple[str, ...], detokenize) -> tuple[int | None, str, int]:
+    """Stop-string search on ``text = detokenize(out)``.
+
+    Returns ``(cut, tail, safe)``:
+
+    * ``cut``: when ``text`` contains a stop string, the most tokens whose text is a prefix of
+      ``text[:i]`` (``i``: the first index where any stop string starts), else ``None``;
+    * ``tail``: the rest of ``text[:i]`` -- the part before the stop string of a token that straddles it;
+    * ``safe``: without a stop, the most tokens that can be released (their text ends before any suffix of
+      ``text`` that is a proper prefix of a stop string, i.e. could still become one), at least ``sent``.
+    """
     text = detokenize(out)
-    if not any(s in text for s in stops):
-        return None
-    for c in range(new_from + 1, len(out) + 1):
+    first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=None)
+    if first is not None:
+        want = text[:first]
+        c = max(_prefix_tokens(out, want, 0, detokenize), sent)
+        return c, want[len(detokenize(out[:c])):], c
+    hold = len(text.rstrip("\ufffd"))  # an incomplete character may still complete to a stop string
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                hold = min(hold, len(text) - k)
+                break
+    if hold == len(text):
+        return None, "", len(out)
+    return None, "", _prefix_tokens(out, text[:hold], sent, detokenize)
+
+
+def _prefix_tokens(out: list[int], want: str, lo: int, detokenize) -> int:
+    """The largest ``c >= lo`` (``c <= len(out)``) with ``detokenize(out[:c])`` a prefix of ``want``
+    (``lo`` itself when none is larger)."""
+    for c in range(len(out), lo, -1):
         t = detokenize(out[:c])
-        if any(s in t for s in stops):
-            return c - 1
-    return None
+        if want.startswith(t) and not (t.endswith("\ufffd") and not want[:len(t)].endswith("\ufffd")):
+            return c
+    return lo
