@@ -30,10 +30,11 @@ from megatron_jf.training.trainer import DatasetSpec, TrainConfig, effective_seq
 
 
 def model_provider(model_args, cfg: TrainConfig):
-    """This rank's :class:`~megatron_jf.models.gpt.JFGPTModel` (pre/post-process from the PP stage)."""
+    """This rank's :class:`~megatron_jf.models.gpt.JFGPTModel` (pre/post-process from the PP stage), with the
+    run's activation-recomputation settings (``--recompute-*``)."""
     from megatron_jf.models.gpt import build_model
 
-    return build_model(model_args)
+    return build_model(model_args, recompute=cfg.recompute_kwargs())
 
 
 def loss_func(batch, loss_cfg, vocab_size: int, output_tensor: torch.Tensor):

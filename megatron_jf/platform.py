@@ -100,6 +100,9 @@ def apply_cpu_shims() -> None:
     5. ``Tensor.cuda()`` returns the tensor unchanged: tied embeddings under pipeline parallelism
        all-reduce ``weight.data.cuda()`` between the first and last stage. Without CUDA every such
        call would fail, so the identity is the only meaningful behaviour.
+    7. Activation recomputation (``--recompute-granularity``): megatron's ``CheckpointFunction`` saves and
+       restores the CUDA RNG state around the recomputed forward. Without CUDA there is none: the getter
+       returns None and the setter does nothing (the CPU RNG state is still saved and restored).
 
     Raises:
         Nothing. Safe to call many times.
@@ -126,3 +129,8 @@ def apply_cpu_shims() -> None:
 
     schedules.torch = _CudaToCpuTorch()
     torch.Tensor.cuda = lambda self, *a, **k: self  # (5)
+
+    from megatron.core.tensor_parallel import random as tp_random  # (7)
+
+    tp_random._get_cuda_rng_state = lambda *a, **k: None
+    tp_random._set_cuda_rng_state = lambda *a, **k: None

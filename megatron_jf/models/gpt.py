@@ -79,8 +79,12 @@ def layer_spec(args: ModelArgs):
 
 
 def transformer_config(args: ModelArgs, *, params_dtype: torch.dtype | None = None,
-                       sequence_parallel: bool = False) -> TransformerConfig:
+                       sequence_parallel: bool = False, recompute: dict | None = None) -> TransformerConfig:
     """megatron-core ``TransformerConfig`` for ``args`` on the current TP/PP group.
+
+    ``recompute``: activation-recomputation fields passed through to ``TransformerConfig``
+    (``recompute_granularity``, ``recompute_method``, ``recompute_num_layers``, ``recompute_modules``;
+    see :meth:`megatron_jf.training.config.TrainConfig.recompute_kwargs`). None: no recomputation.
 
     Fusions that need CUDA kernels are enabled only on GPU. Weights are initialised on CPU and then
     split, so TP shards are cut from one master weight (TP=2 equals TP=1 up to rounding).
@@ -119,11 +123,12 @@ def transformer_config(args: ModelArgs, *, params_dtype: torch.dtype | None = No
         apply_rope_fusion=False,  # fused RoPE expects [s,1,1,d] freqs; ours are per token
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        **(recompute or {}),
     )
 
 
 def build_model(args: ModelArgs, *, params_dtype: torch.dtype | None = None, sequence_parallel: bool = False,
-                device: torch.device | None = None) -> JFGPTModel:
+                device: torch.device | None = None, recompute: dict | None = None) -> JFGPTModel:
     """Build this rank's part of the model (megatron-core model provider).
 
     Requires :func:`megatron_jf.parallel.initialize` to have run. The vocabulary is padded to a
@@ -136,7 +141,8 @@ def build_model(args: ModelArgs, *, params_dtype: torch.dtype | None = None, seq
         ValueError: the architecture does not split over the TP/PP sizes.
     """
     tp = ps.get_tensor_model_parallel_world_size()
-    config = transformer_config(args, params_dtype=params_dtype, sequence_parallel=sequence_parallel)
+    config = transformer_config(args, params_dtype=params_dtype, sequence_parallel=sequence_parallel,
+                                recompute=recompute)
     model = JFGPTModel(
         config=config,
         transformer_layer_spec=layer_spec(args),

@@ -23,6 +23,10 @@ MASKS = ("nc", "nc_ic", "clean")
 NOISE_SCHEDULES = ("progressive", "reverse", "random")
 CONSISTENCY_POSITIONS = ("all", "from_first_diff")
 PRECISIONS = ("auto", "fp32", "bf16")
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+#: megatron-core ``recompute_modules`` that apply to a dense (non-MoE, non-MLA) GPT layer.
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
 
 
 @dataclass
@@ -49,6 +53,18 @@ class TrainConfig:
     """torch intra-op threads per process (CPU); None keeps torch's default."""
     seed: int = 1234
     """Seed of weight init (from scratch), data order and the random noise schedule."""
+
+    # --- activation recomputation (Megatron-LM's flags and meaning; megatron-core TransformerConfig fields)
+    recompute_granularity: str | None = None
+    """``full``: keep only each recomputed chunk's input and rerun the whole layers in the backward;
+    ``selective``: rerun only ``recompute_modules`` (default core attention); None: save everything."""
+    recompute_method: str | None = None
+    """``full`` only: ``uniform`` (every layer, in chunks of ``recompute_num_layers``) | ``block`` (the first
+    ``recompute_num_layers`` layers of each pipeline stage)."""
+    recompute_num_layers: int | None = None
+    """``full`` only: layers per recomputed chunk (uniform) or recomputed layers per stage (block)."""
+    recompute_modules: list[str] | None = None
+    """``selective`` only: submodules to rerun (megatron-core default ``["core_attn"]``)."""
 
     # --- model
     hf_config: str | None = None
@@ -181,6 +197,7 @@ class TrainConfig:
         need(self.attention_path in ATTENTION_PATHS, f"--attention-path must be one of {ATTENTION_PATHS}")
         need(self.mask in MASKS, f"--mask must be one of {MASKS}")
         need(self.num_workers >= 0, "--num-workers must be >= 0")
+        self._validate_recompute(need)
         need(self.log_interval >= 1, "--log-interval must be >= 1")
         for name in ("save_interval", "eval_interval", "exit_interval", "keep_last", "eval_iters", "threads"):
             v = getattr(self, name)
@@ -216,6 +233,34 @@ class TrainConfig:
         need(self.hf_config or self.load or self.save,
              "no model: give --hf-config (from scratch), --load (a checkpoint) or --save with a checkpoint to resume")
         return self
+
+    def _validate_recompute(self, need) -> None:
+        g, m, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        need(g is None or g in RECOMPUTE_GRANULARITIES,
+             f"--recompute-granularity must be one of {RECOMPUTE_GRANULARITIES}, got {g!r}")
+        need(m is None or m in RECOMPUTE_METHODS, f"--recompute-method must be one of {RECOMPUTE_METHODS}, got {m!r}")
+        need(g is not None or (m is None and n is None and self.recompute_modules is None),
+             "--recompute-method/--recompute-num-layers/--recompute-modules need --recompute-granularity")
+        if g == "full":
+            need(m is not None and n is not None,
+                 "--recompute-granularity full needs --recompute-method {uniform,block} and --recompute-num-layers N")
+            need(n >= 1, f"--recompute-num-layers must be >= 1, got {n}")
+            need(self.recompute_modules is None, "--recompute-modules applies to --recompute-granularity selective")
+        if g == "selective":
+            need(n is None and m is None, "--recompute-method/--recompute-num-layers apply to "
+                 "--recompute-granularity full (selective recomputes --recompute-modules in every layer)")
+            bad = sorted(set(self.recompute_modules or ()) - set(RECOMPUTE_MODULES))
+            need(not bad, f"--recompute-modules {bad} not supported (choose from {RECOMPUTE_MODULES})")
+
+    def recompute_kwargs(self) -> dict:
+        """The megatron-core ``TransformerConfig`` fields of the recomputation options ({} when off)."""
+        if self.recompute_granularity is None:
+            return {}
+        kw = {"recompute_granularity": self.recompute_granularity, "recompute_method": self.recompute_method,
+              "recompute_num_layers": self.recompute_num_layers}
+        if self.recompute_modules is not None:
+            kw["recompute_modules"] = list(self.recompute_modules)
+        return kw
 
     @property
     def anchor_on(self) -> bool:
@@ -283,6 +328,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads per process (CPU; default: torch's own choice)")
     g.add_argument("--seed", type=int, default=d.seed, help="seed for init, data order and noise")
+
+    g = p.add_argument_group("activation recomputation (Megatron-LM flags)")
+    g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
+                   help="full: save only each chunk's input and rerun whole layers in the backward; selective: "
+                        "rerun --recompute-modules (core attention) only (default: off, everything is saved)")
+    g.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, default=None,
+                   help="full only: uniform recomputes every layer in chunks of --recompute-num-layers; block "
+                        "recomputes the first --recompute-num-layers layers of each pipeline stage")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="full only: layers per chunk (uniform) or recomputed layers per stage (block)")
+    g.add_argument("--recompute-modules", nargs="+", choices=RECOMPUTE_MODULES, default=None,
+                   help="selective only: submodules to rerun (default: megatron-core's, core_attn)")
 
     g = p.add_argument_group("model")
     g.add_argument("--hf-config", default=None, help="HF directory with config.json (train from scratch)")

@@ -154,7 +154,12 @@ class Trainer:
         if cfg.save and os.path.isdir(cfg.save):
             self.resume_iteration = checkpointing.latest_iteration(cfg.save)
         self.model_args = self._model_args(checkpointing)
+        self._check_recompute()
         model = model_provider(self.model_args, cfg)
+        got = {k: getattr(model.config, k) for k in cfg.recompute_kwargs()}
+        if got != cfg.recompute_kwargs():
+            raise ValueError(f"the model provider built a model with {got}, not the requested "
+                             f"{cfg.recompute_kwargs()} (pass cfg.recompute_kwargs() to build_model)")
         if next(model.parameters()).dtype != self.dtype:
             model = model.to(self.dtype)
         self.module = unwrap(model)
@@ -230,6 +235,20 @@ class Trainer:
             args.eos_token_ids[0] if args.eos_token_ids else 0)
         self._anchor_combine = partial(append_anchor_rows, pad_id=int(pad), pad_to=pad_to)
         return MicrobatchStream(DatasetSpec(ds, collate_text), cfg.anchor_mbs, 0)
+
+    def _check_recompute(self):
+        """``--recompute-method uniform`` chunks must tile this stage's layers (megatron-core indexes past the
+        last layer otherwise).
+
+        Raises:
+            ValueError: naming the sizes.
+        """
+        cfg = self.cfg
+        if cfg.recompute_granularity == "full" and cfg.recompute_method == "uniform":
+            per_stage = self.model_args.num_layers // cfg.pp
+            if per_stage % cfg.recompute_num_layers:
+                raise ValueError(f"--recompute-method uniform --recompute-num-layers {cfg.recompute_num_layers} "
+                                 f"does not divide the {per_stage} layers per pipeline stage")
 
     def _model_args(self, checkpointing):
         from megatron_jf.models.hf_config import ModelArgs

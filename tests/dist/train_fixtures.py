@@ -89,7 +89,7 @@ def hf_weights_provider(hf_dir: str):
         from megatron_jf.models.convert import hf_to_mcore
         from megatron_jf.models.gpt import build_model
 
-        model = build_model(model_args)
+        model = build_model(model_args, recompute=cfg.recompute_kwargs())
         hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
         sd = hf_to_mcore(hf.state_dict(), model_args, tp_rank=ps.get_tensor_model_parallel_rank(),
                          tp_size=ps.get_tensor_model_parallel_world_size(),
@@ -121,3 +121,62 @@ def parallel_config(work: str, name: str, **over):
     kw.update(PARALLEL_CONFIGS[name])
     kw.update(over)
     return TrainConfig(**kw)
+
+
+#: Activation-recomputation settings exercised by the recompute tests (Megatron-LM flag meanings).
+RECOMPUTE_MODES = {
+    "selective": dict(recompute_granularity="selective"),
+    "selective_mlp": dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
+    "full_uniform": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "full_block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
+}
+
+
+class SavedBytesMeter:
+    """``torch.autograd.graph.saved_tensors_hooks`` that track the bytes of tensors autograd holds for the
+    backward (parameters excluded: they are held anyway): ``live`` now and ``peak`` over the step."""
+
+    def __init__(self, params):
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.live = 0
+        self.peak = 0
+
+    def pack(self, t):
+        if t.untyped_storage().data_ptr() in self.params:
+            return t
+        import weakref
+
+        n = t.untyped_storage().nbytes()
+        box = _Saved(t)
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(box, self._free, n)  # autograd drops the box when the saved tensor is released
+        return box
+
+    def _free(self, n):
+        self.live -= n
+
+    @staticmethod
+    def unpack(x):
+        return x.t if isinstance(x, _Saved) else x
+
+
+class _Saved:
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t):
+        self.t = t
+
+
+def measured_step(trainer):
+    """One ``trainer.train_step()`` under a :class:`SavedBytesMeter`.
+
+    Returns:
+        ``(metrics, {param name: grad (cloned)}, peak saved activation bytes)``; the gradients are taken
+        after the DP/TP synchronisation and clipping, i.e. what the optimizer used.
+    """
+    meter = SavedBytesMeter(trainer.module.parameters())
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+        m = trainer.train_step()
+    grads = {n: p.grad.detach().clone() for n, p in trainer.module.named_parameters() if p.grad is not None}
+    return m, grads, meter.peak
