@@ -200,8 +200,13 @@ def attach_kv_cache(model, cache: KVCache | None):
 @torch.no_grad()
 def forward_logits(model, tokens: torch.Tensor, position_ids: torch.Tensor, *,
                    allowed: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                   new_mask: torch.Tensor | None = None) -> torch.Tensor:
+                   new_mask: torch.Tensor | None = None, return_logits: bool = True,
+                   impl: str = "auto") -> torch.Tensor | None:
     """One inference forward; returns full-vocabulary logits (gathered over TP).
+
+    Runs :class:`~megatron_jf.inference.lean_forward.LeanForward` (plain tensor ops over the same
+    parameters) when the model is the local layer spec and ``MEGATRON_JF_LEAN_FORWARD`` is not ``0``,
+    else megatron-core's forward; both compute the same function (tests/test_lean_forward.py).
 
     Args:
         tokens: int64 ``[b, s]``.
@@ -211,25 +216,46 @@ def forward_logits(model, tokens: torch.Tensor, position_ids: torch.Tensor, *,
         kv_cache: optional cache; the tokens are appended after each row's committed length
             (see :class:`KVCache`), and stay uncommitted until ``kv_cache.commit``.
         new_mask: with a cache, bool ``[b|1, s, s]`` visibility among the new tokens (default causal).
+        return_logits: False (a prefill whose logits nobody reads) skips the output layer where the
+            forward allows it and returns None.
+        impl: ``auto`` (lean forward when supported), ``lean`` (required) or ``megatron``.
 
     Returns:
-        float32 logits ``[b, s, vocab]`` (vocabulary padding removed). Requires a single pipeline
-        stage (decoding with PP > 1 is not supported).
+        float32 logits ``[b, s, vocab]`` (vocabulary padding removed), or None with
+        ``return_logits=False``. Requires a single pipeline stage (decoding with PP > 1 is not supported).
 
     Raises:
-        ValueError: shape mismatch between tokens and positions, or PP > 1.
+        ValueError: shape mismatch between tokens and positions, PP > 1, an unknown ``impl``, or
+            ``impl="lean"`` on a model the lean forward does not support.
     """
     if tokens.shape != position_ids.shape or tokens.dim() != 2:
         raise ValueError(f"tokens {tuple(tokens.shape)} and position_ids {tuple(position_ids.shape)} must both be [b, s]")
     if ps.get_pipeline_model_parallel_world_size() > 1:
         raise ValueError("forward_logits needs pipeline-parallel size 1 (decoding does not pipeline)")
+    if impl not in ("auto", "lean", "megatron"):
+        raise ValueError(f"unknown forward impl {impl!r}; choose auto, lean or megatron")
     m = unwrap(model)
-    dev = next(m.parameters()).device
+    dev = m.embedding.word_embeddings.weight.device if m.pre_process else next(m.parameters()).device
     tokens, position_ids = tokens.to(dev), position_ids.to(dev)
     mask = None
     if kv_cache is None and allowed is not None:
         a = allowed if allowed.dim() == 3 else allowed.unsqueeze(0)
         mask = (~a.to(dev)).unsqueeze(1)
+    lean = None
+    if impl != "megatron":
+        from megatron_jf.inference.lean_forward import LeanForward, lean_forward_for
+
+        lean = lean_forward_for(m) if impl == "auto" else (getattr(m, "_jf_lean_forward", None) or LeanForward(m))
+    if lean is not None:
+        if kv_cache is not None:
+            kv_cache.begin(tokens.shape[1], new_mask, causal_kernel=True)
+            try:
+                logits = lean(tokens, position_ids, kv_cache=kv_cache, return_logits=return_logits)
+            finally:
+                kv_cache.end()
+        else:
+            logits = lean(tokens, position_ids, mask=mask, return_logits=return_logits)
+        return None if logits is None else logits[..., : m.vocab_size_unpadded].float()
     if kv_cache is not None:
         kv_cache.begin(tokens.shape[1], new_mask)
         try:
@@ -239,4 +265,6 @@ def forward_logits(model, tokens: torch.Tensor, position_ids: torch.Tensor, *,
             kv_cache.end()
     else:
         logits = m(tokens, position_ids, mask, runtime_gather_output=True)
+    if not return_logits:
+        return None
     return logits[..., : m.vocab_size_unpadded].float()

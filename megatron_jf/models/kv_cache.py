@@ -50,13 +50,16 @@ class KVCache:
         self._step: _Step | None = None
 
     # ------------------------------------------------------------------ forward protocol
-    def begin(self, num_new: int, new_mask: torch.Tensor | None = None) -> None:
+    def begin(self, num_new: int, new_mask: torch.Tensor | None = None, *, causal_kernel: bool = False) -> None:
         """Prepare a forward of ``num_new`` tokens per row (called by the model wrapper).
 
         Args:
             num_new: s, new tokens per row in this forward.
             new_mask: optional bool ``[B, s, s]`` or ``[s, s]``, True where new token i may attend new
                 token j. Default: causal (j <= i). Committed slots are always visible.
+            causal_kernel: the caller's attention honours :attr:`step_is_causal`; then a forward
+                that is plain causal attention (every row empty, default mask: a prefill) builds no
+                mask and :attr:`step_is_causal` is True, so SDPA can run its causal kernel.
 
         Raises:
             ValueError: the block does not fit in ``max_len`` slots, or a bad mask shape.
@@ -70,12 +73,15 @@ class KVCache:
         starts = self.lengths.to(device)
         uniform = bool((self.lengths == self.lengths[0]).all())
         if new_mask is None:
-            new_mask = torch.ones(s, s, dtype=torch.bool, device=device).tril_()
+            if not (uniform and causal_kernel and int(self.lengths[0]) == 0):
+                new_mask = torch.ones(s, s, dtype=torch.bool, device=device).tril_()
         else:
             if new_mask.shape[-2:] != (s, s) or new_mask.dtype != torch.bool:
                 raise ValueError(f"new_mask must be bool [B, {s}, {s}] or [{s}, {s}], got {tuple(new_mask.shape)} {new_mask.dtype}")
             new_mask = new_mask.to(device)
-        if uniform:
+        if uniform and causal_kernel and new_mask is None and int(self.lengths[0]) == 0:
+            self._step = _Step(s, kv_len, None, 0, None, causal=s > 1)
+        elif uniform:
             start = int(self.lengths[0])
             nm = new_mask if new_mask.dim() == 3 else new_mask.unsqueeze(0)
             committed = torch.ones(nm.shape[0], s, start, dtype=torch.bool, device=device)
@@ -102,7 +108,8 @@ class KVCache:
 
         Returns:
             ``(k_all, v_all, mask)``: ``[B, G, kv_len, D]`` views and a bool mask ``[B, 1, s, kv_len]``
-            (True = attend) or None when every key is visible.
+            (True = attend) or None when every key is visible (or, with :attr:`step_is_causal`, when
+            attention is plain causal).
         """
         st = self._step
         if st is None:
@@ -115,6 +122,12 @@ class KVCache:
             self.k[slot].scatter_(2, idx, k)
             self.v[slot].scatter_(2, idx, v)
         return self.k[slot, :, :, :st.kv_len], self.v[slot, :, :, :st.kv_len], st.mask
+
+    @property
+    def step_is_causal(self) -> bool:
+        """True when this forward is plain causal attention over its own tokens (``update`` returns no mask
+        then; see ``begin(causal_kernel=True)``)."""
+        return self._step is not None and self._step.causal
 
     def end(self) -> None:
         """Finish the forward. The new tokens stay *uncommitted* until :meth:`commit`."""
@@ -173,7 +186,8 @@ class KVCache:
 
 
 class _Step:
-    __slots__ = ("s", "kv_len", "mask", "start", "write_idx")
+    __slots__ = ("s", "kv_len", "mask", "start", "write_idx", "causal")
 
-    def __init__(self, s, kv_len, mask, start, write_idx):
+    def __init__(self, s, kv_len, mask, start, write_idx, causal=False):
         self.s, self.kv_len, self.mask, self.start, self.write_idx = s, kv_len, mask, start, write_idx
+        self.causal = causal

@@ -1,0 +1,275 @@
+"""A lean inference forward over a megatron-core ``GPTModel``'s own parameters (no copies).
+
+Training runs megatron-core's modules. Decoding at batch 1 is dominated by small matmuls, and
+megatron's per-layer machinery around them (autograd ``Function`` wrappers for linear layers even
+under ``no_grad``, tensor-parallel region copies, ``MakeViewlessTensor``, ``[s, b, h]`` transposes,
+per-call RoPE ``cos``/``sin``) costs more per token than the arithmetic of a 135M model on CPU.
+:class:`LeanForward` computes the same function with plain tensor ops, reading the very
+``Parameter`` objects of the model, so training, checkpoint loading and ``model.to(...)`` keep it in
+step automatically.
+
+Per layer (local spec: RMSNorm, fused QKV, SwiGLU MLP; shapes on this TP rank, batch-first)::
+
+    x [b, s, h] -> rms_norm -> linear_qkv [b, s, ng, (qpg+2)*hd] -> q [b, nh, s, hd], k/v [b, ng, s, hd]
+      -> RoPE(q, k) by position id -> SDPA (causal / explicit mask / KV cache) -> linear_proj
+      -> all-reduce(TP) -> + residual -> rms_norm -> linear_fc1 -> silu(gate) * up -> linear_fc2
+      -> all-reduce(TP) -> + residual
+
+then the final RMSNorm and the (possibly tied) vocab-parallel output layer, gathered over TP, only
+for the positions the caller reads. Tensor parallelism follows megatron exactly: column-parallel
+shards (QKV by whole query groups, FC1 as ``[gate_r; up_r]``), row-parallel shards followed by an
+all-reduce over the TP group, a vocab-parallel embedding (masked lookup + all-reduce).
+
+Used by :func:`megatron_jf.models.gpt.forward_logits` whenever :func:`supports` says the model is
+the plain local spec (no Transformer Engine modules, no sequence parallelism, no dropout).
+``MEGATRON_JF_LEAN_FORWARD=0`` turns it off (megatron's forward is then used);
+``MEGATRON_JF_LEAN_GEMV=all|out|none`` picks the weights kept transposed for one-row products on CPU
+(:meth:`LeanForward._gemv_policy`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from megatron_jf.models.kv_cache import KVCache
+
+ENV_SWITCH = "MEGATRON_JF_LEAN_FORWARD"
+GEMV_SWITCH = "MEGATRON_JF_LEAN_GEMV"
+
+
+def enabled_by_env() -> bool:
+    """False when ``MEGATRON_JF_LEAN_FORWARD`` is ``0``/``false``/``off`` (default: on)."""
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def supports(model) -> bool:
+    """True if ``model`` (an unwrapped ``JFGPTModel``) is a layout :class:`LeanForward` reproduces exactly.
+
+    Requires: one pipeline stage holding both embedding and output layer, the local layer spec
+    (``torch.nn.RMSNorm`` norms, megatron ``ColumnParallelLinear``/``RowParallelLinear``, identity
+    q/k norms), SwiGLU, no dropout, no sequence parallelism, no linear biases other than QKV.
+    """
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    cfg = model.config
+    if not (model.pre_process and model.post_process):
+        return False
+    if cfg.sequence_parallel or cfg.hidden_dropout or cfg.attention_dropout or not cfg.gated_linear_unit:
+        return False
+    if cfg.activation_func is not F.silu or cfg.add_bias_linear or cfg.normalization != "RMSNorm":
+        return False
+    if getattr(model, "position_embedding_type", "rope") != "rope" or getattr(cfg, "multi_latent_attention", False):
+        return False
+    for layer in model.decoder.layers:
+        att = layer.self_attention
+        if not (isinstance(layer.input_layernorm, torch.nn.RMSNorm) and isinstance(layer.pre_mlp_layernorm, torch.nn.RMSNorm)):
+            return False
+        if not (isinstance(att.linear_qkv, ColumnParallelLinear) and isinstance(att.linear_proj, RowParallelLinear)):
+            return False
+        if not (isinstance(layer.mlp.linear_fc1, ColumnParallelLinear) and isinstance(layer.mlp.linear_fc2, RowParallelLinear)):
+            return False
+        if not (isinstance(att.q_layernorm, IdentityOp) and isinstance(att.k_layernorm, IdentityOp)):
+            return False
+        if not isinstance(layer.cross_attention, IdentityOp):
+            return False
+    return isinstance(model.decoder.final_layernorm, torch.nn.RMSNorm)
+
+
+class _Layer:
+    __slots__ = ("ln1", "eps1", "qkv_w", "qkv_b", "proj_w", "ln2", "eps2", "fc1_w", "fc2_w", "names")
+
+
+class LeanForward:
+    """The inference forward of a megatron ``GPTModel`` (see module docstring).
+
+    Args:
+        model: an unwrapped :class:`~megatron_jf.models.gpt.JFGPTModel` for which :func:`supports` holds.
+
+    Raises:
+        ValueError: the model layout is not supported.
+    """
+
+    def __init__(self, model):
+        if not supports(model):
+            raise ValueError("LeanForward needs the local layer spec on a single pipeline stage (see supports())")
+        from megatron.core import parallel_state as ps
+
+        self.model = model
+        cfg = model.config
+        self.tp = ps.get_tensor_model_parallel_world_size()
+        self.tp_group = ps.get_tensor_model_parallel_group() if self.tp > 1 else None
+        self.hd = cfg.kv_channels
+        self.nh = cfg.num_attention_heads // self.tp
+        self.ng = (cfg.num_query_groups or cfg.num_attention_heads) // self.tp
+        self.qpg = self.nh // self.ng
+        self.scale = model.decoder.layers[0].self_attention.core_attention.softmax_scale
+        emb = model.embedding.word_embeddings
+        self.emb = emb
+        self.vocab_start = int(getattr(emb, "vocab_start_index", 0))
+        self.vocab_end = int(getattr(emb, "vocab_end_index", emb.weight.shape[0]))
+        self.layers = []
+        for layer in model.decoder.layers:
+            att, mlp = layer.self_attention, layer.mlp
+            L = _Layer()
+            L.ln1, L.eps1 = layer.input_layernorm.weight, layer.input_layernorm.eps
+            L.qkv_w, L.qkv_b = att.linear_qkv.weight, att.linear_qkv.bias
+            L.proj_w = att.linear_proj.weight
+            L.ln2, L.eps2 = layer.pre_mlp_layernorm.weight, layer.pre_mlp_layernorm.eps
+            L.fc1_w, L.fc2_w = mlp.linear_fc1.weight, mlp.linear_fc2.weight
+            i = len(self.layers)
+            L.names = (f"qkv{i}", f"proj{i}", f"fc1{i}", f"fc2{i}")
+            self.layers.append(L)
+        self.final_ln = model.decoder.final_layernorm
+        self._cos = self._sin = None
+        self.gemv_transposed: set[str] = self._gemv_policy()
+        self._wt: dict[str, tuple] = {}
+
+    def _gemv_policy(self) -> set[str]:
+        """Weights whose single-row products use a transposed copy (see ``MEGATRON_JF_LEAN_GEMV``).
+
+        On CPU, ``x[1, K] @ W^T`` with ``W`` stored ``[N, K]`` runs MKL's sgemm at about half the
+        memory bandwidth that ``x @ W_t`` reaches with ``W_t`` stored ``[K, N]`` (measured 1.7x on
+        SmolLM2's 49k x 576 output layer at batch 1), and a batch-1 decode step is one such product per
+        weight. So for one-row forwards (AR steps) a ``[K, N]`` copy of each weight is kept, made on first
+        use and remade whenever the weight changes (``Parameter._version`` / storage). Costs one extra
+        copy of the weights in host memory; ``all`` is the default on CPU for models up to 4 GiB of
+        weights, else ``out`` (output layer only). Multi-row forwards always use ``F.linear``.
+        """
+        if self.emb.weight.device.type != "cpu":
+            return set()
+        mode = os.environ.get(GEMV_SWITCH, "").strip().lower()
+        if not mode:
+            nbytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            mode = "all" if nbytes <= 4 << 30 else "out"
+        if mode not in ("all", "out", "none"):
+            raise ValueError(f"{GEMV_SWITCH} must be all, out or none, got {mode!r}")
+        if mode == "none":
+            return set()
+        names = {"out"}
+        if mode == "all":
+            names |= {f"{k}{i}" for k in ("qkv", "proj", "fc1", "fc2") for i in range(len(self.layers))}
+        return names
+
+    def _linear(self, x, w, name: str, bias=None):
+        if name not in self.gemv_transposed or x.numel() != x.shape[-1]:
+            return F.linear(x, w, bias)
+        key = (w._version, w.data_ptr(), w.dtype)
+        hit = self._wt.get(name)
+        if hit is None or hit[0] != key:
+            hit = (key, w.detach().t().contiguous())
+            self._wt[name] = hit
+        y = x @ hit[1]
+        return y if bias is None else y + bias
+
+    # ------------------------------------------------------------------ pieces
+    def _rope(self, position_ids: torch.Tensor, dtype):
+        """cos/sin ``[b, 1, s, d]`` for ``position_ids`` (tables grown on demand, as megatron computes them)."""
+        needed = int(position_ids.max()) + 1
+        if self._cos is None or self._cos.shape[0] < needed or self._cos.dtype != dtype:
+            size = max(needed, 2 * (self._cos.shape[0] if self._cos is not None else 0), 256)
+            freqs = self.model.rotary_pos_emb(size)[:, 0, 0, :]  # [size, d] angles, fp32
+            self._cos, self._sin = torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+        return self._cos[position_ids].unsqueeze(1), self._sin[position_ids].unsqueeze(1)
+
+    def _all_reduce(self, x):
+        if self.tp > 1:
+            torch.distributed.all_reduce(x, group=self.tp_group)
+        return x
+
+    def _embed(self, tokens):
+        w = self.emb.weight
+        if self.tp == 1:
+            return F.embedding(tokens, w)
+        outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
+        local = (tokens - self.vocab_start).masked_fill_(outside, 0)
+        x = F.embedding(local, w)
+        x[outside] = 0.0
+        return self._all_reduce(x)
+
+    def _output_weight(self):
+        m = self.model
+        if m.share_embeddings_and_output_weights:
+            return m.shared_embedding_or_output_weight()
+        return m.output_layer.weight
+
+    # ------------------------------------------------------------------ forward
+    @torch.no_grad()
+    def __call__(self, tokens: torch.Tensor, position_ids: torch.Tensor, *, mask: torch.Tensor | None = None,
+                 kv_cache: KVCache | None = None, logit_positions: slice | torch.Tensor | None = None,
+                 return_logits: bool = True) -> torch.Tensor | None:
+        """Logits ``[b, s', V_padded]`` (dtype of the weights) for ``tokens`` ``[b, s]`` at ``position_ids`` ``[b, s]``.
+
+        Args:
+            mask: without a cache, optional bool ``[b|1, 1, s, s]`` in megatron's convention (True =
+                masked out); None = causal.
+            kv_cache: a :class:`KVCache` on which ``begin()`` has been called for this forward.
+            logit_positions: which positions get logits (a slice or int64 index over ``s``); default all.
+            return_logits: False skips the final norm and output layer and returns None (prefill).
+        """
+        b, s = tokens.shape
+        x = self._embed(tokens)  # [b, s, h]
+        cos, sin = self._rope(position_ids, x.dtype)
+        hd, nh, ng, qpg = self.hd, self.nh, self.ng, self.qpg
+        gqa = ng != nh
+        sdpa_mask, causal = None, False
+        if kv_cache is None:
+            if mask is None:
+                causal = True
+            else:
+                sdpa_mask = ~mask
+        for slot, L in enumerate(self.layers):
+            h = F.rms_norm(x, L.ln1.shape, L.ln1, L.eps1)
+            qkv = self._linear(h, L.qkv_w, L.names[0], L.qkv_b).view(b, s, ng, (qpg + 2) * hd)
+            q, k, v = torch.split(qkv, [qpg * hd, hd, hd], dim=3)
+            q = q.reshape(b, s, nh, hd).transpose(1, 2)  # [b, nh, s, hd]
+            k = k.transpose(1, 2)  # [b, ng, s, hd]
+            v = v.transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            if kv_cache is not None:
+                k, v, allow = kv_cache.update(slot, k, v)
+                causal_here = kv_cache.step_is_causal
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=allow, is_causal=causal_here,
+                                                   scale=self.scale, enable_gqa=gqa)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, is_causal=causal,
+                                                   scale=self.scale, enable_gqa=gqa)
+            o = o.transpose(1, 2).reshape(b, s, nh * hd)
+            x = x + self._all_reduce(self._linear(o, L.proj_w, L.names[1]))
+            h = F.rms_norm(x, L.ln2.shape, L.ln2, L.eps2)
+            gate, up = torch.chunk(self._linear(h, L.fc1_w, L.names[2]), 2, dim=-1)
+            x = x + self._all_reduce(self._linear(F.silu(gate) * up, L.fc2_w, L.names[3]))
+        if not return_logits:
+            return None
+        if logit_positions is not None:
+            x = x[:, logit_positions]
+        x = self.final_ln(x)
+        logits = self._linear(x, self._output_weight(), "out")
+        if self.tp > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.tp)]
+            torch.distributed.all_gather(parts, logits.contiguous(), group=self.tp_group)
+            logits = torch.cat(parts, dim=-1)
+        return logits
+
+
+def _rotate_half(x):
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def lean_forward_for(model) -> LeanForward | None:
+    """The model's cached :class:`LeanForward`, built on first use; None when unsupported or switched off."""
+    if not enabled_by_env():
+        return None
+    lf = getattr(model, "_jf_lean_forward", None)
+    if lf is None:
+        if getattr(model, "_jf_lean_unsupported", False) or not supports(model):
+            model._jf_lean_unsupported = True
+            return None
+        lf = LeanForward(model)
+        model._jf_lean_forward = lf
+    return lf

@@ -1,0 +1,153 @@
+"""The lean inference forward computes megatron-core's forward (and transformers') on the same weights (issue 14)."""
+import pytest
+import torch
+
+
+def _pair(family, tied, seed=0, **kw):
+    from megatron_jf.models.convert import hf_to_mcore
+    from megatron_jf.models.gpt import build_model
+    from megatron_jf.models.hf_config import ModelArgs
+    from megatron_jf.testing import tiny_hf_model
+
+    hf = tiny_hf_model(family, tied=tied, seed=seed, scale=0.2, **kw)
+    args = ModelArgs.from_hf_dict(hf.config.to_dict())
+    m = build_model(args).eval()
+    m.load_state_dict(hf_to_mcore(hf.state_dict(), args), strict=False)
+    return hf, m
+
+
+@pytest.fixture(scope="module")
+def pairs(mp1):
+    # qwen2: QKV bias, untied head; llama: no bias, tied head (the shared-embedding output layer)
+    return {"qwen2": _pair("qwen2", False, seed=1), "llama-tied": _pair("llama", True, seed=2)}
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama-tied"])
+def test_lean_equals_megatron_and_transformers_no_cache(pairs, name):
+    from megatron_jf.inference.lean_forward import lean_forward_for
+    from megatron_jf.models.gpt import forward_logits
+
+    hf, m = pairs[name]
+    assert lean_forward_for(m) is not None
+    g = torch.Generator().manual_seed(0)
+    toks = torch.randint(0, 256, (2, 11), generator=g)
+    pos = torch.arange(11).expand(2, 11)
+    lean = forward_logits(m, toks, pos, impl="lean")
+    meg = forward_logits(m, toks, pos, impl="megatron")
+    torch.testing.assert_close(lean, meg, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lean, hf(toks).logits, rtol=1e-4, atol=1e-4)
+    # an explicit block mask (bidirectional inside two blocks of a packed pair, shifted positions)
+    allowed = torch.ones(11, 11, dtype=torch.bool).tril_()
+    allowed[3:7, 3:7] = True
+    pos2 = torch.cat([torch.arange(7), torch.arange(3, 7)]).expand(2, 11)
+    torch.testing.assert_close(forward_logits(m, toks, pos2, allowed=allowed, impl="lean"),
+                               forward_logits(m, toks, pos2, allowed=allowed, impl="megatron"), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama-tied"])
+def test_lean_equals_megatron_with_kv_cache_tree_mask_and_ragged_rows(pairs, name):
+    """Prefill (causal kernel), ragged committed lengths, a tree mask and a one-row step, both paths."""
+    from megatron_jf.models.gpt import forward_logits, new_kv_cache
+
+    hf, m = pairs[name]
+    prompt = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    outs = {}
+    for impl in ("lean", "megatron"):
+        cache = new_kv_cache(m, 2, 64)
+        seq = []
+        seq.append(forward_logits(m, prompt, torch.arange(9).expand(2, 9), kv_cache=cache, impl=impl))
+        cache.commit([9, 5])  # ragged: row 1 keeps 5 of its 9
+        tree = torch.ones(2, 6, 6, dtype=torch.bool).tril_()
+        tree[:, 3:, 1:3] = False  # tokens 3.. form a second branch after token 0
+        toks = torch.tensor([[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]])
+        pos = torch.tensor([[9, 10, 11, 10, 11, 12], [5, 6, 7, 6, 7, 8]])
+        seq.append(forward_logits(m, toks, pos, kv_cache=cache, new_mask=tree, impl=impl))
+        cache.commit([[0, 3, 4], 2])
+        seq.append(forward_logits(m, torch.tensor([[13], [14]]), torch.tensor([[12], [7]]), kv_cache=cache, impl=impl))
+        outs[impl] = seq
+    for a, b in zip(outs["lean"], outs["megatron"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # the last one-row step of row 0 equals transformers on the committed sequence: prompt, tokens 0, 3, 4, 13
+    full = torch.cat([prompt[0], torch.tensor([1, 4, 5, 13])])[None]
+    ref = hf(full, position_ids=torch.tensor([list(range(9)) + [9, 10, 11, 12]])).logits[0, -1]
+    torch.testing.assert_close(outs["lean"][2][0, 0], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_cached_prefill_uses_causal_kernel_and_matches_uncached(pairs):
+    from megatron_jf.models.gpt import forward_logits, new_kv_cache
+
+    hf, m = pairs["qwen2"]
+    toks = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(10)[None]
+    cache = new_kv_cache(m, 1, 32)
+    cache.begin(10, causal_kernel=True)
+    assert cache.step_is_causal
+    cache.end()
+    cache.begin(10)  # megatron's core attention reads the mask: it must be built
+    assert not cache.step_is_causal and cache._step.mask is not None
+    cache.end()
+    a = forward_logits(m, toks, pos, kv_cache=cache, impl="lean")
+    torch.testing.assert_close(a, forward_logits(m, toks, pos, impl="megatron"), rtol=1e-5, atol=1e-5)
+    # after a commit the next block is not "plain causal from zero": a mask over the committed slots
+    cache.commit([10])
+    cache.begin(3, causal_kernel=True)
+    assert not cache.step_is_causal
+    cache.end()
+
+
+def test_prefill_without_logits(pairs):
+    from megatron_jf.models.gpt import forward_logits, new_kv_cache
+
+    hf, m = pairs["llama-tied"]
+    toks = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(4))
+    for impl in ("lean", "megatron"):
+        cache = new_kv_cache(m, 1, 16)
+        assert forward_logits(m, toks[:, :7], torch.arange(7)[None], kv_cache=cache, return_logits=False,
+                              impl=impl) is None
+        cache.commit([7])
+        step = forward_logits(m, toks[:, 7:], torch.tensor([[7]]), kv_cache=cache, impl=impl)
+        torch.testing.assert_close(step[0, 0], hf(toks).logits[0, 7], rtol=1e-4, atol=1e-4)
+
+
+def test_transposed_gemv_copies_follow_weight_updates(mp1):
+    """One-row forwards read transposed weight copies; loading new weights must refresh them."""
+    from megatron_jf.models.convert import hf_to_mcore
+    from megatron_jf.models.gpt import forward_logits, new_kv_cache
+    from megatron_jf.models.hf_config import ModelArgs
+    from megatron_jf.testing import tiny_hf_model
+
+    hf_a, m = _pair("qwen2", False, seed=5)
+    toks = torch.tensor([[3, 1, 4, 1, 5]])
+
+    def step_logits():
+        cache = new_kv_cache(m, 1, 8)
+        forward_logits(m, toks[:, :4], torch.arange(4)[None], kv_cache=cache, return_logits=False)
+        cache.commit([4])
+        return forward_logits(m, toks[:, 4:], torch.tensor([[4]]), kv_cache=cache)[0, 0]
+
+    torch.testing.assert_close(step_logits(), hf_a(toks).logits[0, 4], rtol=1e-4, atol=1e-4)
+    from megatron_jf.inference.lean_forward import lean_forward_for
+
+    lf = lean_forward_for(m)
+    assert {"out", "qkv0", "fc11"} <= lf.gemv_transposed and "out" in lf._wt  # copies were made
+    hf_b = tiny_hf_model("qwen2", seed=6, scale=0.2)
+    m.load_state_dict(hf_to_mcore(hf_b.state_dict(), ModelArgs.from_hf_dict(hf_b.config.to_dict())), strict=False)
+    torch.testing.assert_close(step_logits(), hf_b(toks).logits[0, 4], rtol=1e-4, atol=1e-4)
+
+
+def test_switch_off_by_env(pairs, monkeypatch):
+    from megatron_jf.inference.lean_forward import lean_forward_for
+
+    hf, m = pairs["qwen2"]
+    monkeypatch.setenv("MEGATRON_JF_LEAN_FORWARD", "0")
+    assert lean_forward_for(m) is None
+    monkeypatch.setenv("MEGATRON_JF_LEAN_FORWARD", "1")
+    assert lean_forward_for(m) is not None
+
+
+def test_bad_impl_is_named(pairs):
+    from megatron_jf.models.gpt import forward_logits
+
+    with pytest.raises(ValueError, match="unknown forward impl"):
+        forward_logits(pairs["qwen2"][1], torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long),
+                       impl="fast")
