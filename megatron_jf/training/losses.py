@@ -81,6 +81,10 @@ __all__ = [
     "anchor_term",
     "METRIC_KEYS",
     "ANCHOR_METRIC",
+    "DEFAULT_LOSS_CHUNK",
+    "fused_head_loss",
+    "jf_head_loss",
+    "loss_temporary_bytes",
 ]
 
 IGNORE_INDEX = -100
@@ -461,3 +465,283 @@ def anchor_term(anchor_logits: torch.Tensor, anchor_targets: torch.Tensor, num_s
         raise ValueError(f"need num_samples >= 1 and weight >= 0, got {num_samples}, {weight}")
     mean = vocab_parallel_ce(anchor_logits, anchor_targets, vocab_size=vocab_size).mean()
     return (weight * num_samples) * mean, _metric(mean * num_samples, num_samples)
+
+
+
+# ----------------------------------------------------------------------------- output layer + loss, chunked
+#: Default ``--loss-chunk-size``: loss rows per chunk of the fused output-layer + loss.
+DEFAULT_LOSS_CHUNK = 1024
+
+#: Upper bound of the fp32 ``[chunk, V_local]`` buffers alive at the peak of one chunk of :func:`fused_head_loss`
+#: (student and teacher logits, the teacher distribution ``p``, one ``exp`` temporary; the gradient reuses
+#: the student buffer). Measured with torch's profiler (:mod:`megatron_jf.training.memstats`), CPU fp32:
+#: 2.5 (``kl``), 3.5 (``soft_ce``), 1.5 (``hard``); bf16 logits add half a buffer before the fp32 cast.
+#: Checked in ``tests/test_loss_rows.py``.
+LOSS_CHUNK_BUFFERS = 4
+
+
+def loss_temporary_bytes(rows: int, v_local: int, chunk: int | None = DEFAULT_LOSS_CHUNK, *,
+                         hidden: int = 0, dtype_bytes: int = 4) -> int:
+    """Peak temporary bytes of the fused output layer + JF loss (:func:`fused_head_loss`) on one rank.
+
+    Each chunk holds at most :data:`LOSS_CHUNK_BUFFERS` fp32 ``[min(rows, chunk), v_local]`` buffers; on
+    top of them the function keeps, from its forward to its backward, the gradient of the output weight
+    (fp32 ``[v_local, hidden]``) and of the loss rows (``[rows, hidden]``). The gathered loss rows
+    themselves (``[rows, hidden]``, model dtype) are the model's output.
+
+    Args:
+        rows: loss rows of one microbatch (``2C + M + K``: student, teacher, AR and anchor positions).
+        v_local: vocabulary columns on this TP rank (``V_pad / tp``).
+        chunk: rows per chunk (``--loss-chunk-size``); ``None`` or ``0``: one chunk of all rows.
+        hidden: the hidden size ``h`` (0 counts the ``[chunk, V_local]`` buffers only).
+        dtype_bytes: bytes per element of the model dtype (2 for bf16).
+
+    Returns:
+        bytes (int).
+
+    Example: Qwen2.5-7B at TP=2 (``v_local = 76032``, ``h = 3584``), chunk 1024:
+    ``4 * 1024 * 76032 * 4`` = 1.25 GB of chunk buffers + 1.09 GB weight gradient, whatever the length
+    (the full-row path held ~6 ``[rows, V_local]`` fp32 tensors: ~5 GB each at 16k loss rows).
+    """
+    c = rows if not chunk else min(rows, chunk)
+    return (LOSS_CHUNK_BUFFERS * c * v_local * 4 + (v_local * hidden * 4 if hidden else 0)
+            + rows * hidden * dtype_bytes)
+
+
+def _chunk_lse(z: torch.Tensor, group, size: int) -> torch.Tensor:
+    """In place: ``z -= max`` (TP max); returns the TP log-sum-exp ``[c]`` of the shifted ``z``."""
+    m = _all_reduce(z.amax(dim=-1), dist.ReduceOp.MAX, group, size)
+    z.sub_(m.unsqueeze(-1))
+    return _all_reduce(torch.exp(z).sum(dim=-1), dist.ReduceOp.SUM, group, size).log_()
+
+
+def _chunk_ce(z: torch.Tensor, targets: torch.Tensor, start: int, group, size: int, want_grad: bool):
+    """Vocab-parallel CE of fp32 logits ``z [c, n_valid]`` (consumed) against global ids ``targets [c]``.
+
+    Returns ``(ce [c], grad [c, n_valid] = softmax - onehot or None)``."""
+    lse = _chunk_lse(z, group, size)
+    local = targets - start
+    inside = (local >= 0) & (local < z.shape[-1])
+    local = local.clamp(0, z.shape[-1] - 1)
+    picked = torch.where(inside, z.gather(1, local.unsqueeze(1)).squeeze(1), torch.zeros_like(lse))
+    picked = _all_reduce(picked, dist.ReduceOp.SUM, group, size)
+    ce = lse - picked
+    if not want_grad:
+        return ce, None
+    grad = z.sub_(lse.unsqueeze(-1)).exp_()
+    rows = torch.nonzero(inside).flatten()
+    grad[rows, local[rows]] -= 1.0
+    return ce, grad
+
+
+class _FusedHeadLoss(torch.autograd.Function):
+    """Output layer + JF loss over row chunks; the gradients are formed chunk by chunk in the forward
+    (the loss is linear in the per-row values, with coefficients known in the forward), so no
+    ``[rows, V_local]`` tensor ever exists and the backward is two scalings. See :func:`fused_head_loss`."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, pc_coef, ce_coef, pc_targets, ce_targets, num_pairs, kind, temperature,
+                start, n_valid, chunk, want_grad, group, size):
+        C = num_pairs
+        M = ce_targets.shape[0]
+        dt = weight.dtype
+        w_valid = weight[:n_valid]
+        grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if want_grad else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_grad else None
+        pc_vals = hidden.new_zeros(C, dtype=torch.float32)
+        ce_vals = hidden.new_zeros(M, dtype=torch.float32)
+        correct = torch.zeros(C, dtype=torch.bool, device=hidden.device)
+        total = hidden.new_zeros((), dtype=torch.float32)
+        tau = temperature
+
+        def accumulate(g, rows_lo, rows_hi, coef):
+            # g: fp32 [c, n_valid] d value / d logits per row; scaled by the rows' loss coefficients
+            g.mul_(coef.unsqueeze(-1))
+            h = hidden[rows_lo:rows_hi]
+            grad_h[rows_lo:rows_hi] += (g.to(dt) @ w_valid).float()
+            grad_w[:n_valid].addmm_(g.t(), h.float())
+
+        for lo in range(0, C, chunk):
+            hi = min(C, lo + chunk)
+            zs = (hidden[lo:hi] @ w_valid.t()).float()
+            correct[lo:hi] = _argmax_shifted(zs, start, group, size) == pc_targets[lo:hi]
+            if kind == "hard":
+                vals, g = _chunk_ce(zs, pc_targets[lo:hi], start, group, size, want_grad)
+            else:
+                zt = (hidden[C + lo:C + hi] @ w_valid.t()).float()
+                if tau != 1.0:
+                    zs.div_(tau)
+                    zt.div_(tau)
+                zs.sub_(_chunk_lse(zs, group, size).unsqueeze(-1))  # log q
+                zt.sub_(_chunk_lse(zt, group, size).unsqueeze(-1))  # log p
+                p = torch.exp(zt)
+                integrand = zt.sub_(zs).mul_(p) if kind == "kl" else zs.mul(p).neg_()  # zt reused
+                vals = _all_reduce(integrand.sum(dim=-1), dist.ReduceOp.SUM, group, size) * tau**2
+                del integrand, zt
+                g = zs.exp_().sub_(p).mul_(tau) if want_grad else None  # d(tau^2 D)/dz = tau (q - p)
+                del p
+            pc_vals[lo:hi] = vals
+            total = total + (vals * pc_coef[lo:hi]).sum()
+            if want_grad:
+                accumulate(g, lo, hi, pc_coef[lo:hi])
+            del zs, g
+        base = C if kind == "hard" else 2 * C
+        for lo in range(0, M, chunk):
+            hi = min(M, lo + chunk)
+            z = (hidden[base + lo:base + hi] @ w_valid.t()).float()
+            vals, g = _chunk_ce(z, ce_targets[lo:hi], start, group, size, want_grad)
+            ce_vals[lo:hi] = vals
+            total = total + (vals * ce_coef[lo:hi]).sum()
+            if want_grad:
+                accumulate(g, base + lo, base + hi, ce_coef[lo:hi])
+            del z, g
+        if want_grad:
+            ctx.save_for_backward(grad_h, grad_w)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        ctx.mark_non_differentiable(pc_vals, ce_vals, correct)
+        return total, pc_vals, ce_vals, correct
+
+    @staticmethod
+    def backward(ctx, grad_total, *_):
+        grad_h, grad_w = ctx.saved_tensors
+        return ((grad_h * grad_total).to(ctx.dtypes[0]), (grad_w * grad_total).to(ctx.dtypes[1]),
+                None, None, None, None, None, None, None, None, None, None, None, None, None)
+
+
+def _argmax_shifted(z: torch.Tensor, start: int, group, size: int) -> torch.Tensor:
+    """Global argmax ids of fp32 logits ``z [c, n_valid]`` of the shard starting at ``start``."""
+    vals, idx = z.max(dim=-1)
+    if size == 1 or z.shape[0] == 0:
+        return idx + start
+    gmax = _all_reduce(vals.clone(), dist.ReduceOp.MAX, group, size)
+    cand = torch.where(vals == gmax, idx + start, torch.full_like(idx, torch.iinfo(torch.int64).max))
+    return _all_reduce(cand, dist.ReduceOp.MIN, group, size)
+
+
+def fused_head_loss(hidden: torch.Tensor, weight: torch.Tensor, *, num_pairs: int, pc_coef: torch.Tensor,
+                    ce_coef: torch.Tensor, pc_targets: torch.Tensor, ce_targets: torch.Tensor, kind: str = "kl",
+                    temperature: float = 1.0, vocab_size: int | None = None,
+                    chunk_size: int | None = DEFAULT_LOSS_CHUNK):
+    """The vocab-parallel output layer and the JF loss terms over the loss rows, in row chunks.
+
+    ``hidden`` holds the final-norm hidden states of the loss rows in a fixed order: the ``C`` student
+    (noisy) rows, then (``kind != "hard"``) the ``C`` teacher (clean) rows of the same pairs, then the
+    ``M`` cross-entropy rows (AR positions, then anchor positions). Chunk by chunk (``chunk_size`` rows)
+    the logits ``hidden @ weight.T`` of this TP rank's vocabulary shard are formed, the per-row values
+    computed (max / sum-exp / target logit all-reduced over the TP group, padding columns ``>= vocab_size``
+    excluded) and, when a gradient is needed, the gradient of ``sum(coef * value)`` w.r.t. ``hidden`` and
+    ``weight`` accumulated -- so peak temporary memory is ``O(chunk x V_local)``
+    (:func:`loss_temporary_bytes`) instead of ``O(rows x V_local)``, and the logits are formed once.
+
+    Per-row values: ``"kl"``/``"soft_ce"``: ``tau^2 D(p_teacher || p_student)`` (paper Eq. 8, teacher
+    stop-gradient, as :func:`vocab_parallel_divergence`); ``"hard"``: CE of the student against
+    ``pc_targets``; CE rows: next-token CE against ``ce_targets`` (as :func:`vocab_parallel_ce`).
+
+    Args:
+        hidden: float ``[2C + M, h]`` (``[C + M, h]`` for ``"hard"``), identical on every TP rank.
+        weight: float ``[V_local, h]``, the output layer's (or tied embedding's) weight shard.
+        num_pairs: ``C``.
+        pc_coef: float32 ``[C]`` loss coefficient of each pair's value; ce_coef: float32 ``[M]``.
+        pc_targets: int64 ``[C]`` fixed-point ids (``"hard"`` targets and accuracy); ce_targets: int64 ``[M]``.
+        kind: ``"kl"`` | ``"soft_ce"`` | ``"hard"``; temperature: ``tau > 0``.
+        vocab_size: the real vocabulary size; chunk_size: rows per chunk (``None``/``0``: one chunk).
+
+    Returns:
+        ``(loss, pc_values, ce_values, correct)``: float32 scalar ``sum(pc_coef * pc_values) +
+        sum(ce_coef * ce_values)`` (differentiable w.r.t. ``hidden`` and ``weight``; the gradient is
+        exact for any scalar upstream gradient), float32 ``[C]`` and ``[M]`` per-row values and bool
+        ``[C]`` (student argmax == ``pc_targets``), all three detached.
+
+    Raises:
+        ValueError: shapes that do not match, an unknown kind, a chunk size < 0, a shard of padding only.
+    """
+    if kind not in CONSISTENCY_LOSSES:
+        raise ValueError(f"unknown consistency loss {kind!r}; expected one of {CONSISTENCY_LOSSES}")
+    C, M = int(num_pairs), int(ce_targets.shape[0])
+    need = (C if kind == "hard" else 2 * C) + M
+    if hidden.dim() != 2 or hidden.shape[0] != need or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} must be [{need}, h] for {C} pairs ({kind}) and {M} CE rows, "
+                         f"weight {tuple(weight.shape)} [V_local, h]")
+    if pc_coef.shape != (C,) or pc_targets.shape != (C,) or ce_coef.shape != (M,):
+        raise ValueError("pc_coef / pc_targets must be [C] and ce_coef [M]")
+    if chunk_size is not None and chunk_size < 0:
+        raise ValueError(f"chunk size must be >= 0, got {chunk_size}")
+    group, _, size = _tp()
+    start, n_valid = vocab_shard_range(weight.shape[0], vocab_size)
+    chunk = max(1, chunk_size or max(C, M, 1))
+    want_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _FusedHeadLoss.apply(hidden, weight, pc_coef.float(), ce_coef.float(), pc_targets, ce_targets, C, kind,
+                                float(temperature), start, n_valid, chunk, want_grad, group, size)
+
+
+def jf_head_loss(hidden: torch.Tensor, weight: torch.Tensor, *, pc_targets: torch.Tensor, pair_sample: torch.Tensor,
+                 pair_block: torch.Tensor, ar_targets: torch.Tensor, ar_sample: torch.Tensor,
+                 num_blocks: torch.Tensor, cfg: LossConfig, vocab_size: int | None = None,
+                 max_blocks: int | None = None, anchor_targets: torch.Tensor | None = None,
+                 chunk_size: int | None = DEFAULT_LOSS_CHUNK) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`jf_loss` (plus :func:`anchor_term` when anchor rows are given) computed from the hidden
+    states of the loss rows through :func:`fused_head_loss` -- same value, same gradients, bounded memory.
+
+    The normalisation of paper Eq. 8 (per block / per sample means, ``1/N``) and the AR / anchor means
+    are linear in the per-row values, so each row gets its coefficient up front (from the indices only).
+
+    Args:
+        hidden: float ``[2C + M + K, h]`` (``[C + M + K, h]`` for ``"hard"``): student rows, teacher rows,
+            AR rows, anchor rows (the order of :func:`megatron_jf.training.output_head.loss_row_index`).
+        weight: float ``[V_local, h]`` output weight shard.
+        pc_targets, pair_sample, pair_block: int64 ``[C]``; ar_targets, ar_sample: int64 ``[M]``;
+        num_blocks: int64 ``[B]``; anchor_targets: int64 ``[K]`` or ``None`` -- as in :class:`JFLossInputs`.
+        cfg: the loss configuration; vocab_size, max_blocks: as in :class:`JFLossInputs`.
+        chunk_size: rows per chunk (``--loss-chunk-size``).
+
+    Returns:
+        ``(loss_sum, report)`` as :func:`jf_loss`; with anchor rows ``loss_sum`` includes
+        ``anchor_weight * B * L_anchor`` and ``report`` has :data:`ANCHOR_METRIC` (as ``pretrain_jf.loss_func``).
+
+    Raises:
+        ValueError: inconsistent shapes, an empty microbatch, anchor rows without labelled tokens.
+    """
+    B = int(num_blocks.shape[0])
+    C, M = int(pc_targets.shape[0]), int(ar_targets.shape[0])
+    if B == 0:
+        raise ValueError("empty microbatch (no samples)")
+    if pair_sample.shape[0] != C or pair_block.shape[0] != C or ar_sample.shape[0] != M:
+        raise ValueError("pc_targets, pair_sample and pair_block must have C rows; ar_targets and ar_sample M rows")
+    dev = hidden.device
+    nb = num_blocks.to(dev).float()
+    ones_c = torch.ones(C, dtype=torch.float32, device=dev)
+    if cfg.pc_normalization == "paper":
+        max_n = max_blocks if max_blocks is not None else int(num_blocks.max())
+        key = pair_sample * max_n + pair_block
+        blk_cnt = torch.zeros(B * max_n, dtype=torch.float32, device=dev).index_add(0, key, ones_c)
+        pc_unit = 1.0 / (blk_cnt[key] * nb[pair_sample])
+    else:
+        s_cnt = torch.zeros(B, dtype=torch.float32, device=dev).index_add(0, pair_sample, ones_c)
+        pc_unit = 1.0 / (s_cnt[pair_sample] * nb[pair_sample])
+    a_cnt = torch.zeros(B, dtype=torch.float32, device=dev).index_add(0, ar_sample, torch.ones(M, device=dev))
+    ar_unit = 1.0 / a_cnt[ar_sample]
+    ce_targets, ce_coef = ar_targets, cfg.ar_weight * ar_unit
+    K = 0
+    if anchor_targets is not None:
+        K = int(anchor_targets.shape[0])
+        if K == 0:
+            raise ValueError("the anchor rows have no labelled token")
+        ce_targets = torch.cat([ar_targets, anchor_targets])
+        ce_coef = torch.cat([ce_coef, torch.full((K,), cfg.anchor_weight * B / K, device=dev)])
+    loss_sum, pc_vals, ce_vals, correct = fused_head_loss(
+        hidden, weight, num_pairs=C, pc_coef=cfg.pc_weight * pc_unit, ce_coef=ce_coef, pc_targets=pc_targets,
+        ce_targets=ce_targets, kind=cfg.consistency_loss, temperature=cfg.temperature, vocab_size=vocab_size,
+        chunk_size=chunk_size)
+    zeros_b = torch.zeros(B, dtype=torch.float32, device=dev)
+    pc_sample = zeros_b.index_add(0, pair_sample, pc_vals * pc_unit)
+    ar_sample_v = zeros_b.index_add(0, ar_sample, ce_vals[:M] * ar_unit)
+    report = {
+        "loss": _metric(loss_sum, B),
+        "pc loss": _metric(pc_sample.sum(), B),
+        "ar loss": _metric(ar_sample_v.sum(), B),
+        "noisy acc": _metric(correct.sum(), C),
+    }
+    if K:
+        mean = ce_vals[M:].mean()
+        report[ANCHOR_METRIC] = _metric(mean * B, B)
+    return loss_sum, report

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from megatron_jf import platform
 
-__all__ = ["param_groups", "clip_grad_norm_tp", "all_reduce_grads"]
+__all__ = ["param_groups", "clip_grad_norm_tp", "all_reduce_grads", "allreduce_sequence_parallel_grads"]
 
 
 def param_groups(module, weight_decay: float) -> list[dict]:
@@ -69,5 +69,24 @@ def all_reduce_grads(params, group, size: int) -> None:
     flat = _flatten_dense_tensors(grads)
     dist.all_reduce(flat, group=group)
     flat.div_(size)
+    for g, r in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(r)
+
+
+def allreduce_sequence_parallel_grads(module) -> None:
+    """Sum over the TP group the gradients of parameters marked ``sequence_parallel`` (the norm weights
+    under ``--sequence-parallel``: each TP rank saw only its ``S / tp`` positions), in one flat buffer --
+    what megatron-core's ``finalize_model_grads`` does on the GPU path. A no-op without sequence
+    parallelism or at TP = 1."""
+    from megatron.core import parallel_state as ps
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    if not getattr(module.config, "sequence_parallel", False) or ps.get_tensor_model_parallel_world_size() == 1:
+        return
+    grads = [p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not grads:
+        return
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=ps.get_tensor_model_parallel_group())
     for g, r in zip(grads, _unflatten_dense_tensors(flat, grads)):
         g.copy_(r)
