@@ -43,10 +43,27 @@ def test_ar_equals_transformers_generate(models, name):
     prompts = _prompts(1)
     ours = eng.generate(prompts, DecodeConfig("ar"), max_new_tokens=37)
     for p, o in zip(prompts, ours):
-        ref = hf.generate(torch.tensor([p]), max_new_tokens=37, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(p):].tolist()
+        ref = _hf_greedy(hf, p, 37)
         assert o.tokens == ref
         assert o.forwards == 37 and o.tpf == 1.0
+
+
+def _hf_greedy(hf, prompt, max_new_tokens):
+    """transformers greedy continuation; the explicit attention_mask keeps prompt tokens with id 0 visible."""
+    ids = torch.tensor([prompt])
+    return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                       eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+
+
+def test_reference_sees_prompt_token_zero(models):
+    """A prompt containing token 0: without the mask, generate() would treat it as padding and diverge."""
+    from megatron_jf.inference.engine import DecodeConfig
+
+    hf, eng = models["qwen2-random"]
+    p = [0, 17, 0, 99, 0, 5, 0, 42]
+    ref = _hf_greedy(hf, p, 12)
+    assert eng.generate([p], DecodeConfig("ar"), max_new_tokens=12)[0].tokens == ref
+    assert eng.generate([p], DecodeConfig("jacobi", block_size=4), max_new_tokens=12)[0].tokens == ref
 
 
 CONFIGS = (

@@ -8,7 +8,7 @@ def main():
     from megatron_jf import parallel
     from megatron_jf.inference.engine import DecodeConfig, Engine
     from megatron_jf.models.convert import hf_to_mcore
-    from megatron_jf.models.gpt import build_model
+    from megatron_jf.models.gpt import build_model, forward_logits, new_kv_cache
     from megatron_jf.models.hf_config import ModelArgs
     from megatron_jf.testing import peaked_hf_model
 
@@ -22,8 +22,27 @@ def main():
     eng = Engine(m, check_invariants=True)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (L,), generator=g).tolist() for L in (2, 13)]
-    ref = [hf.generate(torch.tensor([p]), max_new_tokens=30, do_sample=False, eos_token_id=None,
-                       pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    prompts[1][4] = 0  # token 0 inside a prompt: the reference must not mistake it for padding
+    # explicit attention_mask: with pad_token_id=0 and no mask, generate() hides every prompt token 0
+    ref = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=30,
+                       do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    # the lean inference forward (TP shards + all-reduce/all-gather) equals megatron-core's forward at TP=2
+    toks = torch.randint(0, 256, (2, 9), generator=g)
+    pos = torch.arange(9).expand(2, 9)
+    lean = forward_logits(m, toks, pos, impl="lean")
+    meg = forward_logits(m, toks, pos, impl="megatron")
+    step_ok = True
+    for impl in ("lean", "megatron"):  # a cached one-row step (transposed-weight path) against uncached
+        cache = new_kv_cache(m, 2, 16)
+        forward_logits(m, toks[:, :8], pos[:, :8], kv_cache=cache, return_logits=False, impl=impl)
+        cache.commit([8, 8])
+        one = forward_logits(m, toks[:, 8:], pos[:, 8:], kv_cache=cache, impl=impl)
+        step_ok &= bool(torch.allclose(one[:, 0], meg[:, 8], rtol=1e-5, atol=1e-5))
+    ok = bool(torch.allclose(lean, meg, rtol=1e-5, atol=1e-5)) and step_ok
+    ok &= bool(torch.allclose(lean, hf(toks).logits, rtol=1e-4, atol=1e-4))
+    if parallel.is_rank0():
+        print(f"DECODE lean-forward-parity max|lean-megatron|={(lean - meg).abs().max():.2e} {'OK' if ok else 'MISMATCH'}",
+              flush=True)
     for cfg in (DecodeConfig("ar"), DecodeConfig("jacobi", block_size=8), DecodeConfig("running-window", block_size=8),
                 DecodeConfig("mr", block_size=8, num_blocks=2, verification_size=3)):
         out = eng.generate(prompts, cfg, max_new_tokens=30)
