@@ -37,6 +37,7 @@ __all__ = [
     "SentencePieceTokenizer",
     "IncrementalDecoder",
     "load_tokenizer",
+    "stop_token_ids",
     "QWEN25_CHAT_TEMPLATE",
     "QWEN25_DEFAULT_SYSTEM_MESSAGE",
     "QWEN25_VOCAB_SIZE",
@@ -403,6 +404,35 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         f"unknown tokenizer format: directory {p} has no tokenizer.json, "
         "tokenizer_config.json or tokenizer.model"
     )
+
+
+def stop_token_ids(tokenizer: Tokenizer | None = None, model_args=None,
+                   checkpoint_dir: str | os.PathLike | None = None) -> frozenset:
+    """The one set of token ids that ends generation, used by the server, ``tools/generate.py``,
+    evaluation and the trajectory collector.
+
+    The union of ``tokenizer.eos_ids`` (its eos token and the eos ids of the ``config.json`` /
+    ``generation_config.json`` next to it), the checkpoint's ``model_args.eos_token_ids`` (from the HF
+    config it was converted from) and ``eos_token_id`` of ``checkpoint_dir/generation_config.json``
+    when that file exists.
+
+    Args:
+        tokenizer: a :class:`Tokenizer` or None.
+        model_args: a :class:`~megatron_jf.models.hf_config.ModelArgs` (or anything with
+            ``eos_token_ids``) or None.
+        checkpoint_dir: a checkpoint or HF directory, or None.
+
+    Returns:
+        frozenset of ints (possibly empty: then only ``max_new_tokens`` and stop strings end a request).
+
+    Raises:
+        ValueError: ``generation_config.json`` is unreadable or holds a bad ``eos_token_id``.
+    """
+    ids = set(tokenizer.eos_ids) if tokenizer is not None else set()
+    ids |= {int(i) for i in (getattr(model_args, "eos_token_ids", None) or [])}
+    if checkpoint_dir is not None:
+        ids |= _eos_from_json(Path(checkpoint_dir) / "generation_config.json")
+    return frozenset(ids)
 
 
 # --------------------------------------------------------------------------------------

@@ -54,15 +54,17 @@ def srv(mp1, tmp_path_factory):
     from megatron_jf.server.metrics import Metrics
     from megatron_jf.server.scheduler import Scheduler
     from megatron_jf.server.tiny import build_tiny_checkpoint
-    from megatron_jf.tokenizer import load_tokenizer
+    from megatron_jf.tokenizer import load_tokenizer, stop_token_ids
 
     ckpt = build_tiny_checkpoint(str(tmp_path_factory.mktemp("srv")), max_pos=MAX_CTX, in_process=True)
     tok = load_tokenizer(tokenizer_path(ckpt))
-    model, _, _ = load_model(ckpt)
+    model, margs, _ = load_model(ckpt)
     engine = Engine(model)
-    metrics = Metrics()
+    metrics = Metrics("tiny")
+    stop_ids = stop_token_ids(tok, margs, ckpt)  # what the CLI uses
     sched = Scheduler(engine, tok.decode, max_batch=32, max_queue=64, batch_wait_s=0.01, metrics=metrics)
-    app = create_app(sched, tok, model_name="tiny", default_config=DecodeConfig("mr", block_size=8), metrics=metrics)
+    app = create_app(sched, tok, model_name="tiny", default_config=DecodeConfig("mr", block_size=8), metrics=metrics,
+                     stop_ids=stop_ids)
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     th = threading.Thread(target=server.run, daemon=True)
@@ -75,6 +77,7 @@ def srv(mp1, tmp_path_factory):
 
     s = S()
     s.url, s.tok, s.engine, s.sched, s.ckpt, s.metrics = url, tok, engine, sched, ckpt, metrics
+    s.stop_ids = stop_ids
     yield s
     server.should_exit = True
     th.join(10)
@@ -89,15 +92,15 @@ DECODERS = [{"decoder": "ar"}, {"decoder": "mr", "block_size": 8, "num_blocks": 
 def _offline(s, prompt_ids, jf, max_new, stop=()):
     from megatron_jf.inference.engine import DecodeConfig
 
-    return s.engine.generate([prompt_ids], DecodeConfig(**jf), max_new_tokens=max_new, eos_ids=s.tok.eos_ids,
+    return s.engine.generate([prompt_ids], DecodeConfig(**jf), max_new_tokens=max_new, eos_ids=s.stop_ids,
                              stop_strings=tuple(stop), detokenize=s.tok.decode if stop else None)[0]
 
 
-def _text(s, prompt_ids, tokens):
+def _text(s, prompt_ids, tokens, tail=""):
     from megatron_jf.tokenizer import IncrementalDecoder
 
     d = IncrementalDecoder(s.tok, prompt_ids)
-    return d.push(tokens) + d.flush()
+    return d.push(tokens) + d.flush() + tail
 
 
 def _sse(lines):
@@ -249,9 +252,13 @@ def test_32_concurrent_clients_match_sequential(srv):
         assert b["usage"] == a["usage"] and b["choices"][0]["finish_reason"] == a["choices"][0]["finish_reason"]
     assert max(o["jf"]["batch_size"] for o in out) > 1  # they were batched
     assert c.get("/health").json()["status"] == "ok"
-    m = c.get("/metrics").text
-    assert 'jf_requests_total{endpoint="/v1/completions",code="200"}' in m
-    assert "jf_tokens_per_forward_bucket" in m and "jf_request_latency_seconds_count" in m
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fams = {f.name: f for f in text_string_to_metric_families(c.get("/metrics").text)}
+    ok = [x.value for x in fams["jf_requests"].samples
+          if x.name == "jf_requests_total" and x.labels == {"endpoint": "/v1/completions", "code": "200"}]
+    assert ok and ok[0] >= 64
+    assert "jf_tokens_per_forward" in fams and "jf_request_latency_seconds" in fams
 
 
 BAD = [
@@ -312,14 +319,15 @@ def test_sampling_seeded_reproducible(srv):
     b = c.post("/v1/completions", json=body).json()
     assert a["choices"][0]["text"] == b["choices"][0]["text"]
     ids = s.tok.encode("Hello")
-    ref = s.engine.generate([ids], DecodeConfig("mr", block_size=4), max_new_tokens=20, eos_ids=s.tok.eos_ids,
+    ref = s.engine.generate([ids], DecodeConfig("mr", block_size=4), max_new_tokens=20, eos_ids=s.stop_ids,
                             sampling=SamplingParams(0.9, 50, 0.95, seed=7))[0]
     assert a["choices"][0]["text"] == _text(s, ids, ref.tokens)
-    # /api: prompt i samples with random_seed + i (as offline generate on the list)
+    # /api: prompt i samples with random_seed + i (as offline generate on the list); Megatron's /api
+    # takes top_k or top_p, not both
     r = c.put("/api", json={"prompts": ["Hello", "Hello"], "tokens_to_generate": 20, "temperature": 0.9,
-                            "top_k": 50, "top_p": 0.95, "random_seed": 7, "jf": {"decoder": "mr", "block_size": 4}})
-    refs = s.engine.generate([ids, ids], DecodeConfig("mr", block_size=4), max_new_tokens=20, eos_ids=s.tok.eos_ids,
-                             sampling=SamplingParams(0.9, 50, 0.95, seed=7))
+                            "top_p": 0.95, "random_seed": 7, "jf": {"decoder": "mr", "block_size": 4}})
+    refs = s.engine.generate([ids, ids], DecodeConfig("mr", block_size=4), max_new_tokens=20, eos_ids=s.stop_ids,
+                             sampling=SamplingParams(0.9, 0, 0.95, seed=7))
     assert r.json()["tokens"] == [ids + x.tokens for x in refs]
 
 

@@ -114,6 +114,10 @@ class GenerationResult:
         accepted: tokens emitted by each decode forward.
         prefill_s, decode_s: wall seconds.
         trajectory: per block (when recorded): ``{"context_len", "drafts": [[n tokens]...], "fixed_point"}``.
+        draft_lens: per decode forward, draft tokens verified (the winning branch; 0 for AR).
+        draft_accepted: per decode forward, how many of them were accepted and emitted (the leading ones;
+            the correction/bonus token is not a draft token). Speculative-decoding counters in vLLM's
+            sense: drafts = forwards with ``draft_lens > 0``.
     """
 
     tokens: list[int]
@@ -125,6 +129,8 @@ class GenerationResult:
     prompt_len: int
     trajectory: list[dict] | None = None
     tail_text: str = ""
+    draft_lens: list[int] = field(default_factory=list)
+    draft_accepted: list[int] = field(default_factory=list)
 
     @property
     def tpf(self) -> float:
@@ -158,6 +164,8 @@ class _Row:
     tail: str = ""
     forwards: int = 0
     accepted: list[int] = field(default_factory=list)
+    draft_lens: list[int] = field(default_factory=list)
+    draft_accepted: list[int] = field(default_factory=list)
     rng: random.Random | None = None
     gen: torch.Generator | None = None
     pool: NGramPool | None = None
@@ -445,7 +453,7 @@ class BatchSession:
                 finished.append((r.key, GenerationResult(
                     tokens=r.out, finish_reason=r.finish, forwards=r.forwards, accepted=r.accepted,
                     prefill_s=r.prefill_s, decode_s=r.decode_s, prompt_len=len(r.prompt), trajectory=r.traj,
-                    tail_text=r.tail)))
+                    tail_text=r.tail, draft_lens=r.draft_lens, draft_accepted=r.draft_accepted)))
                 self._release(i)
         finished.reverse()
         return finished
@@ -462,7 +470,8 @@ class BatchSession:
             toks = torch.zeros(len(new), P - 1, dtype=torch.long)
             for i, r in enumerate(new):
                 toks[i, : len(r.prompt) - 1] = torch.tensor(r.prompt[:-1])
-            forward_logits(self.model, toks, torch.arange(P - 1).expand(len(new), P - 1), kv_cache=tmp)
+            forward_logits(self.model, toks, torch.arange(P - 1).expand(len(new), P - 1), kv_cache=tmp,
+                           return_logits=False)  # nobody reads prefill logits
             for i, r in enumerate(new):
                 L = len(r.prompt) - 1
                 self.cache.k[:, base + i, :, :L] = tmp.k[:, i, :, :L]
@@ -543,6 +552,8 @@ class BatchSession:
                 safe = len(r.out)  # nothing can follow: whatever was held back is final
         r.forwards += 1
         r.accepted.append(len(emitted))
+        r.draft_lens.append(len(r.draft) if best is None else len(best[0]))
+        r.draft_accepted.append(min(from_draft, len(emitted)))
         if on_tokens is not None and safe > r.sent:
             on_tokens(r.key, r.out[r.sent:safe])
         r.sent = max(r.sent, safe)

@@ -7,8 +7,14 @@ Streaming (``"stream": true``) sends Server-Sent Events ``data: {json}\\n\\n``, 
 of tokens (text decoded incrementally, so multi-byte characters are never split; each chunk's
 ``jf.token_ids`` lists its tokens), then a final chunk with ``finish_reason``, an optional usage chunk
 (``stream_options.include_usage``), and ``data: [DONE]``. A client that disconnects mid-stream cancels
-its request (see :mod:`megatron_jf.server.scheduler`). Errors: ``{"error": {"message", "type", "param"}}``
-with 4xx (400 invalid value / 422 wrong type / 404 unknown model / 503 queue full) or 500.
+its request: its row leaves the batch at the next engine step (see :mod:`megatron_jf.server.scheduler`).
+
+Errors: every status (400 invalid value, 404 unknown model or path, 405 method, 413 body too large,
+422 wrong type, 503 queue full / shutting down, 500) answers OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}``. Limits are in
+:class:`~megatron_jf.server.protocol.Limits` plus ``max_request_bytes`` (the body). Parsing,
+tokenization and detokenization run in worker threads, so a large request never blocks the event loop
+(``/health`` keeps answering). ``/docs`` and ``/openapi.json`` are off unless ``docs=True``.
 """
 
 from __future__ import annotations
@@ -20,20 +26,41 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from megatron_jf.inference.engine import DecodeConfig
 from megatron_jf.server import protocol
-from megatron_jf.server.metrics import Metrics
-from megatron_jf.server.protocol import ParsedRequest, RequestError
+from megatron_jf.server.metrics import CONTENT_TYPE, Metrics
+from megatron_jf.server.protocol import Limits, ParsedRequest, RequestError
 from megatron_jf.server.scheduler import GenRequest, QueueFullError, RequestOutput, Scheduler, SchedulerStoppedError
-from megatron_jf.tokenizer import IncrementalDecoder
+from megatron_jf.tokenizer import IncrementalDecoder, stop_token_ids
+
+_ETYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+           413: "invalid_request_error", 422: "invalid_request_error", 503: "server_busy"}
 
 log = logging.getLogger("megatron_jf.server")
 
 
-def _error(status: int, message: str, param: str | None = None, etype: str = "invalid_request_error"):
-    return JSONResponse({"error": {"message": message, "type": etype, "param": param}}, status_code=status)
+def _error(status: int, message: str, param: str | None = None, etype: str | None = None):
+    etype = etype or _ETYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return JSONResponse({"error": {"message": message, "type": etype, "param": param, "code": status}},
+                        status_code=status)
+
+
+def max_token_chars(tokenizer, default: int = 64) -> int:
+    """Characters of the tokenizer's longest token (vocabulary strings of byte-level BPE and sentencepiece
+    have at least as many characters as the text they decode to); ``default`` when unknown."""
+    try:
+        if hasattr(tokenizer, "hf"):
+            return max(1, max(map(len, tokenizer.hf.get_vocab())))
+        if hasattr(tokenizer, "sp"):
+            return max(1, max(len(tokenizer.sp.id_to_piece(i)) for i in range(tokenizer.sp.get_piece_size())))
+    except Exception:  # noqa: BLE001 -- a bound only; fall back
+        pass
+    return default
 
 
 def _finish(reason: str) -> str:
@@ -49,36 +76,75 @@ def _stats(cfg: DecodeConfig, out: RequestOutput) -> dict:
 
 
 def create_app(scheduler: Scheduler, tokenizer, *, model_name: str = "megatron-jf",
-               default_config: DecodeConfig = DecodeConfig("mr"), metrics: Metrics | None = None) -> FastAPI:
+               default_config: DecodeConfig = DecodeConfig("mr"), metrics: Metrics | None = None,
+               stop_ids: frozenset | None = None, limits: Limits | None = None,
+               max_request_bytes: int = 2 << 20, docs: bool = False) -> FastAPI:
     """Build the app.
 
     Args:
         scheduler: the batching scheduler (owns the engine).
-        tokenizer: a :class:`megatron_jf.tokenizer.Tokenizer` (encode/decode/chat template/eos ids).
+        tokenizer: a :class:`megatron_jf.tokenizer.Tokenizer` (encode/decode/chat template).
         model_name: the id reported by ``/v1/models`` and accepted in ``model``.
         default_config: decode config when a request has no ``jf`` object.
         metrics: shared metrics (the scheduler's, normally).
+        stop_ids: token ids that end every request -- :func:`megatron_jf.tokenizer.stop_token_ids` of the
+            checkpoint (default: of the tokenizer alone).
+        limits: request limits (default: the scheduler's context and parallel-token budget).
+        max_request_bytes: largest request body (413 beyond).
+        docs: serve ``/docs`` (Swagger UI, which loads its assets from a CDN) and ``/openapi.json``.
     """
-    app = FastAPI(title="megatron-jf text generation server")
-    metrics = metrics or scheduler.metrics or Metrics()
+    app = FastAPI(title="megatron-jf text generation server", docs_url="/docs" if docs else None,
+                  redoc_url=None, openapi_url="/openapi.json" if docs else None)
+    metrics = metrics or scheduler.metrics or Metrics(model_name)
     max_ctx = scheduler.max_context
-    eos = frozenset(tokenizer.eos_ids)
+    limits = limits or Limits(max_context=max_ctx, max_parallel_tokens=scheduler.max_width,
+                              max_token_chars=max_token_chars(tokenizer))
+    eos = frozenset(stop_token_ids(tokenizer) if stop_ids is None else stop_ids)
     created = int(time.time())
 
-    async def _json(request: Request):
-        raw = await request.body()
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        msg = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 404:
+            msg = f"{request.method} {request.url.path}: not found"
+        elif exc.status_code == 405:
+            msg = f"{request.method} {request.url.path}: method not allowed"
+        return _error(exc.status_code, msg)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        loc = ".".join(str(x) for x in errs[0].get("loc", ())[1:]) if errs else None
+        return _error(422, f"{loc or 'body'}: {errs[0].get('msg') if errs else 'invalid request'}", loc or "body")
+
+    async def _body(request: Request) -> bytes:
+        n = request.headers.get("content-length")
+        if n is not None and n.isdigit() and int(n) > max_request_bytes:
+            raise RequestError("body", f"request body of {int(n)} bytes exceeds the limit of {max_request_bytes} "
+                                       f"bytes (--max-request-bytes)", status=413)
+        chunks, size = [], 0
+        async for c in request.stream():
+            size += len(c)
+            if size > max_request_bytes:
+                raise RequestError("body", f"request body exceeds the limit of {max_request_bytes} bytes "
+                                           f"(--max-request-bytes)", status=413)
+            chunks.append(c)
+        return b"".join(chunks)
+
+    def _decode_json(raw: bytes):
         try:
-            return json.loads(raw)
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise RequestError("body", f"invalid JSON: {e}") from None
+        except RecursionError:
+            raise RequestError("body", f"JSON nested deeper than {limits.max_json_depth} levels") from None
+        protocol.check_json(body, limits.max_json_depth)
+        return body
 
     def _submit(p: ParsedRequest, i: int, loop, seed_offset: int = 0) -> GenRequest:
-        s = p.sampling
-        if seed_offset:
-            from megatron_jf.inference.sampling import SamplingParams
-            s = SamplingParams(s.temperature, s.top_k, s.top_p, s.seed + seed_offset)
-        req = GenRequest(prompt=p.prompts[i], max_tokens=p.max_tokens, config=p.config, sampling=s,
-                         stop=p.stop, eos_ids=eos | p.extra_eos, seeded=p.seeded, loop=loop, queue=asyncio.Queue())
+        req = GenRequest(prompt=p.prompts[i], max_tokens=p.max_tokens, config=p.config, sampling=p.sampling,
+                         seed_offset=seed_offset, stop=p.stop, eos_ids=eos | p.extra_eos, seeded=p.seeded, loop=loop,
+                         queue=asyncio.Queue())
         scheduler.submit(req)
         return req
 
@@ -104,21 +170,34 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str = "megatron-j
                 except Exception as e:  # noqa: BLE001
                     log.exception("request failed")
                     resp = _error(500, f"{type(e).__name__}: {e}", None, "server_error")
-                metrics.request_done(endpoint, resp.status_code)
+                if not isinstance(resp, StreamingResponse):  # a stream counts its own final status
+                    metrics.request_done(endpoint, resp.status_code)
                 return resp
             wrapped.__name__ = fn.__name__
             return wrapped
         return deco
 
-    def _text(prompt_ids, tokens) -> str:
+    def _text(prompt_ids, out: RequestOutput) -> str:
         d = IncrementalDecoder(tokenizer, prompt_ids)
-        return d.push(tokens) + d.flush()
+        return d.push(out.tokens) + d.flush() + out.tail_text
+
+    def _api_answer(p: ParsedRequest, outs: list[RequestOutput]) -> dict:
+        texts, segs, toks = [], [], []
+        for ptxt, pids, o in zip(p.prompt_texts, p.prompts, outs):
+            texts.append(ptxt + _text(pids, o))
+            all_ids = pids + o.tokens
+            toks.append(all_ids)
+            segs.append([tokenizer.decode([t], skip_special_tokens=False) for t in all_ids])
+        return {"text": texts, "segments": segs, "tokens": toks, "logprobs": None,
+                "jf": [_stats(p.config, o) for o in outs]}
 
     # ------------------------------------------------------------------ Megatron
     @app.put("/api")
     @_handle_errors("/api")
     async def api(request: Request):
-        p = protocol.parse_megatron(await _json(request), tokenizer, max_ctx, default_config)
+        raw = await _body(request)
+        p = await run_in_threadpool(lambda: protocol.parse_megatron(_decode_json(raw), tokenizer, limits,
+                                                                     default_config))
         loop = asyncio.get_running_loop()
         reqs = []
         for i in range(len(p.prompts)):
@@ -126,23 +205,13 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str = "megatron-j
         outs = await asyncio.gather(*[_wait(r) for r in reqs])
         if not p.no_log:
             log.info("/api %d prompts, %d tokens", len(reqs), sum(len(o.tokens) for o in outs))
-        texts, segs, toks = [], [], []
-        for ptxt, pids, o in zip(p.prompt_texts, p.prompts, outs):
-            gen = _text(pids, o.tokens)
-            texts.append(ptxt + gen)
-            all_ids = pids + o.tokens
-            toks.append(all_ids)
-            segs.append([tokenizer.decode([t], skip_special_tokens=False) for t in all_ids])
-        return JSONResponse({"text": texts, "segments": segs, "tokens": toks, "logprobs": None,
-                             "jf": [_stats(p.config, o) for o in outs]})
+        return JSONResponse(await run_in_threadpool(_api_answer, p, outs))
 
     # ------------------------------------------------------------------ OpenAI
     async def _openai(request: Request, chat: bool):
-        body = await _json(request)
-        if chat:
-            p = protocol.parse_chat(body, tokenizer, max_ctx, model_name, default_config)
-        else:
-            p = protocol.parse_completion(body, tokenizer, max_ctx, model_name, default_config)
+        raw = await _body(request)
+        parse = protocol.parse_chat if chat else protocol.parse_completion
+        p = await run_in_threadpool(lambda: parse(_decode_json(raw), tokenizer, limits, model_name, default_config))
         loop = asyncio.get_running_loop()
         req = _submit(p, 0, loop)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -150,7 +219,7 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str = "megatron-j
         plen = len(p.prompts[0])
         if not p.stream:
             out = await _wait(req)
-            text = _text(p.prompts[0], out.tokens)
+            text = await run_in_threadpool(_text, p.prompts[0], out)
             choice = {"index": 0, "finish_reason": _finish(out.finish_reason), "logprobs": None}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
@@ -161,10 +230,11 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str = "megatron-j
                                  "usage": {"prompt_tokens": plen, "completion_tokens": len(out.tokens),
                                            "total_tokens": plen + len(out.tokens)},
                                  "jf": _stats(p.config, out)})
-        return StreamingResponse(_stream(req, p, rid, chat, plen), media_type="text/event-stream",
+        endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+        return StreamingResponse(_stream(req, p, rid, chat, plen, endpoint), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def _stream(req: GenRequest, p: ParsedRequest, rid: str, chat: bool, plen: int):
+    async def _stream(req: GenRequest, p: ParsedRequest, rid: str, chat: bool, plen: int, endpoint: str):
         obj = "chat.completion.chunk" if chat else "text_completion"
         created_t = int(time.time())
         dec = IncrementalDecoder(tokenizer, p.prompts[0])
@@ -183,7 +253,7 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str = "megatron-j
                 d.update(extra)
             return f"data: {json.dumps(d, ensure_ascii=False)}\n\n"
 
-        done = False
+        done, code = False, 499  # 499: the client closed the connection first
         try:
             if chat:
                 yield chunk("", role=True)
@@ -192,18 +262,18 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str = "megatron-j
                 kind, payload = await req.queue.get()
                 if kind == "tokens":
                     n += len(payload)
-                    piece = dec.push(payload)
+                    piece = await run_in_threadpool(dec.push, payload)
                     yield chunk(piece, ids=list(payload))
                 elif kind == "error":
-                    done = True
+                    done, code = True, 500
                     err = {"error": {"message": f"{type(payload).__name__}: {payload}", "type": "server_error"}}
                     yield f"data: {json.dumps(err)}\n\n"
                     yield "data: [DONE]\n\n"
                     return
                 else:
                     out: RequestOutput = payload
-                    done = True
-                    tail = dec.flush()
+                    done, code = True, 200
+                    tail = await run_in_threadpool(dec.flush) + out.tail_text
                     yield chunk(tail, finish=_finish(out.finish_reason), ids=[],
                                 extra={"jf": {"token_ids": [], **_stats(p.config, out)}})
                     if p.include_usage:
@@ -217,6 +287,7 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str = "megatron-j
             if not done:  # client went away (generator closed/cancelled) before the end
                 req.cancel()
                 metrics.request_cancelled()
+            metrics.request_done(endpoint, code)
 
     @app.post("/v1/completions")
     @_handle_errors("/v1/completions")
@@ -242,6 +313,6 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str = "megatron-j
 
     @app.get("/metrics")
     async def prom():
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     return app

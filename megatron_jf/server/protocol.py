@@ -8,6 +8,12 @@ is silently ignored. Decoder selection: an optional ``"jf"`` object,
 "spawn_threshold": r, "verification_size": v, "ngram_pool_size": p, "draft_init": "context"|"repeat"}``;
 missing keys take the server default config's values (a different ``decoder`` alone keeps the
 default's parameters).
+
+Limits (:class:`Limits`; every one answered with a 4xx naming the field, never a 5xx): prompt tokens
+(the context window; a prompt longer than ``context x longest token`` characters is refused before it
+is tokenized), the decode config's tokens per forward (``jf.block_size`` etc., bounded by the context
+and a per-request parallel-token budget), number and length of stop strings, prompts per ``/api``
+request, JSON nesting depth and invalid Unicode (lone surrogates) anywhere in the body.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from megatron_jf.inference.engine import DecodeConfig
+from megatron_jf.inference.engine import DecodeConfig, forward_width
 from megatron_jf.inference.sampling import SamplingParams
 
 
@@ -62,6 +68,65 @@ class ParsedRequest:
 
 
 JF_FIELDS = {f.name: f.type for f in dataclasses.fields(DecodeConfig)}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for.
+
+    Attributes:
+        max_context: the context window, tokens (prompt + generated).
+        max_parallel_tokens: most tokens one request may forward per engine step
+            (:func:`~megatron_jf.inference.engine.forward_width`: AR 1, Jacobi ``n+1``, MR ``1+K*n+(v-1)*n``).
+        max_stop: most stop strings per request; max_stop_chars: longest stop string, characters.
+        max_prompts: most prompts per ``PUT /api`` request.
+        max_json_depth: deepest nesting of arrays/objects in a body.
+        max_token_chars: the tokenizer's longest token, characters (prompts longer than
+            ``max_context * max_token_chars`` characters cannot fit and are refused untokenized).
+    """
+
+    max_context: int
+    max_parallel_tokens: int = 512
+    max_stop: int = 16
+    max_stop_chars: int = 512
+    max_prompts: int = 128
+    max_json_depth: int = 32
+    max_token_chars: int = 64
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.max_context * self.max_token_chars
+
+
+def check_json(body, max_depth: int) -> None:
+    """Walk a parsed JSON body (iteratively): nesting at most ``max_depth`` and no string (or key) that is
+    not valid Unicode (a lone surrogate such as ``"\\ud800"`` cannot be encoded as UTF-8).
+
+    Raises:
+        RequestError: naming the field (``messages[0].content``) or ``body``.
+    """
+    stack = [(body, "", 1)]
+    while stack:
+        v, path, depth = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise RequestError(path or "body", f"invalid Unicode: lone surrogate U+{ord(v[e.start]):04X} at "
+                                                   f"character {e.start}") from None
+            continue
+        if not isinstance(v, (dict, list)):
+            continue
+        if depth > max_depth:
+            raise RequestError("body", f"JSON nested deeper than {max_depth} levels")
+        if isinstance(v, dict):
+            for k, x in v.items():
+                name = f"{path}.{k}" if path else str(k)
+                stack.append((k, name, depth))
+                stack.append((x, name, depth + 1))
+        else:
+            for i, x in enumerate(v):
+                stack.append((x, f"{path}[{i}]", depth + 1))
 
 
 def _type_error(field, want, v):
@@ -113,13 +178,31 @@ def _check_unknown(body: dict, allowed: set[str]) -> None:
         raise RequestError(bad[0], f"unknown or unsupported field (supported: {', '.join(sorted(allowed))})")
 
 
-def parse_decode_config(jf, default: DecodeConfig) -> DecodeConfig:
+def parse_decode_config(jf, default: DecodeConfig, limits: Limits | None = None) -> DecodeConfig:
     """The ``jf`` extension object -> :class:`DecodeConfig` (missing keys from ``default``).
 
     Raises:
         RequestError: ``jf`` is not an object, has an unknown key, a wrong type, or an invalid value
-            (unknown decoder, n < 1, K < 1, r outside (0, 1], ...), naming ``jf.<key>``.
+            (unknown decoder, n < 1, K < 1, r outside (0, 1], ...), naming ``jf.<key>``; or (with
+            ``limits``) a block size past the context window or a config that forwards more than
+            ``limits.max_parallel_tokens`` tokens per step.
     """
+    cfg = _decode_config(jf, default)
+    if limits is not None and jf is not None:
+        keys = [k for k in ("block_size", "num_blocks", "verification_size") if k in jf] or ["block_size"]
+        if cfg.block_size > limits.max_context:
+            raise RequestError("jf.block_size", f"block size {cfg.block_size} exceeds the context window of "
+                                                f"{limits.max_context} tokens")
+        w = forward_width(cfg)
+        if w > limits.max_parallel_tokens:
+            formula = {"mr": "1 + K*n + (v-1)*n", "jacobi": "n + 1", "running-window": "n + 1"}.get(cfg.decoder, "1")
+            raise RequestError(f"jf.{keys[0]}", f"decoder {cfg.decoder!r} with n={cfg.block_size}, K={cfg.num_blocks}, "
+                                                f"v={cfg.verification_size} forwards {w} tokens per step ({formula}); "
+                                                f"this server allows at most {limits.max_parallel_tokens} per request")
+    return cfg
+
+
+def _decode_config(jf, default: DecodeConfig) -> DecodeConfig:
     if jf is None:
         return default
     if not isinstance(jf, dict):
@@ -158,7 +241,7 @@ def _sampling(temperature, top_k, top_p, seed) -> SamplingParams:
         raise RequestError(field, msg) from None
 
 
-def _stop_list(v, field="stop", max_n=16) -> tuple[str, ...]:
+def _stop_list(v, field="stop", max_n=16, max_chars=512) -> tuple[str, ...]:
     if v is None:
         return ()
     if isinstance(v, str):
@@ -169,7 +252,18 @@ def _stop_list(v, field="stop", max_n=16) -> tuple[str, ...]:
         raise RequestError(field, f"at most {max_n} stop strings, got {len(v)}")
     if any(s == "" for s in v):
         raise RequestError(field, "stop strings must be non-empty")
+    long = max(v, key=len, default="")
+    if len(long) > max_chars:
+        raise RequestError(field, f"stop strings may have at most {max_chars} characters, got {len(long)}")
     return tuple(dict.fromkeys(v))
+
+
+def _check_chars(text: str, limits: Limits, field: str) -> None:
+    """Refuse, before tokenizing it, a prompt that cannot fit the context window whatever its tokens."""
+    if len(text) > limits.max_prompt_chars:
+        raise RequestError(field, f"the prompt has {len(text)} characters; the context window of "
+                                  f"{limits.max_context} tokens holds at most {limits.max_prompt_chars} "
+                                  f"(tokens of at most {limits.max_token_chars} characters)")
 
 
 def _check_context(prompt_len: int, max_tokens: int, max_context: int, prompt_field: str, max_field: str):
@@ -191,7 +285,7 @@ MEGATRON_FIELDS = {"prompts", "tokens_to_generate", "temperature", "top_k", "top
                    "jf"}
 
 
-def parse_megatron(body, tokenizer, max_context: int, default: DecodeConfig, max_prompts: int = 128) -> ParsedRequest:
+def parse_megatron(body, tokenizer, limits: Limits, default: DecodeConfig) -> ParsedRequest:
     """Megatron ``PUT /api`` body -> :class:`ParsedRequest`.
 
     Megatron semantics kept: ``tokens_to_generate`` (default 64, >= 1 here: prompt-only scoring is not
@@ -200,6 +294,9 @@ def parse_megatron(body, tokenizer, max_context: int, default: DecodeConfig, max
     (prompt ``i`` uses ``random_seed + i``), ``stop_on_eol``/``stop_on_double_eol`` stop at
     ``"\\n"``/``"\\n\\n"``. ``stop`` (list of strings) is an extension. Features the engine does not have
     (``logprobs``, beam search, ``prevent_newline_after_colon``, top-p decay) are rejected when requested.
+    Validation as Megatron's server: ``temperature`` in [0, 100] (0 = greedy, an extension: Megatron
+    asks for > 0), ``top_k`` an integer in [0, 1000], ``top_p`` in [0, 1], and not both ``top_k`` and
+    ``top_p``.
 
     Raises:
         RequestError: naming the offending field.
@@ -214,12 +311,20 @@ def parse_megatron(body, tokenizer, max_context: int, default: DecodeConfig, max
         raise _type_error("prompts", "a list of strings", prompts)
     if not prompts:
         raise RequestError("prompts", "must hold at least one prompt")
-    if len(prompts) > max_prompts:
-        raise RequestError("prompts", f"at most {max_prompts} prompts per request, got {len(prompts)}")
+    if len(prompts) > limits.max_prompts:
+        raise RequestError("prompts", f"at most {limits.max_prompts} prompts per request, got {len(prompts)}")
     n_new = _int(body, "tokens_to_generate", 64, lo=1)
     temperature = _float(body, "temperature", 1.0)
+    if not 0.0 <= temperature <= 100.0:
+        raise RequestError("temperature", f"must be a number in [0, 100] (0 = greedy), got {temperature}")
     top_k = _int(body, "top_k", 0)
+    if not 0 <= top_k <= 1000:
+        raise RequestError("top_k", f"must be equal to or greater than 0 and less than or equal to 1000, got {top_k}")
     top_p = _float(body, "top_p", 0.0)
+    if not 0.0 <= top_p <= 1.0:
+        raise RequestError("top_p", f"must be in [0, 1], got {top_p}")
+    if top_p > 0.0 and top_k > 0:
+        raise RequestError("top_p", "cannot set both top-k and top-p samplings.")
     if top_p == 0.0:
         top_p = 1.0
     seed = _int(body, "random_seed", None, lo=0, hi=2**31 - 1)
@@ -235,7 +340,7 @@ def parse_megatron(body, tokenizer, max_context: int, default: DecodeConfig, max
         raise RequestError("top_p_decay", "is not supported by this server")
     if _float(body, "top_p_bound", 0.0) != 0.0:
         raise RequestError("top_p_bound", "is not supported by this server")
-    stop = list(_stop_list(body.get("stop")))
+    stop = list(_stop_list(body.get("stop"), max_n=limits.max_stop, max_chars=limits.max_stop_chars))
     if _bool(body, "stop_on_double_eol"):
         stop.append("\n\n")
     if _bool(body, "stop_on_eol"):
@@ -250,13 +355,15 @@ def parse_megatron(body, tokenizer, max_context: int, default: DecodeConfig, max
     if add_bos and tokenizer.bos_id is None:
         raise RequestError("add_BOS", "the tokenizer has no BOS token")
     sampling = _sampling(temperature, top_k, top_p, 0 if seed is None else seed)
-    config = parse_decode_config(body.get("jf"), default)
+    config = parse_decode_config(body.get("jf"), default, limits)
+    for i, p in enumerate(prompts):
+        _check_chars(p, limits, f"prompts[{i}]")
     ids = []
     for i, p in enumerate(prompts):
         t = tokenizer.encode(p)
         if add_bos:
             t = [tokenizer.bos_id] + t
-        _check_context(len(t), n_new, max_context, f"prompts[{i}]", "tokens_to_generate")
+        _check_context(len(t), n_new, limits.max_context, f"prompts[{i}]", "tokens_to_generate")
         ids.append(t)
     return ParsedRequest(prompts=ids, prompt_texts=list(prompts), max_tokens=n_new, config=config,
                          sampling=sampling, seeded=seed is not None, stop=tuple(dict.fromkeys(stop)),
@@ -270,7 +377,7 @@ COMPLETION_FIELDS = COMMON_OPENAI | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = COMMON_OPENAI | {"messages", "max_completion_tokens", "top_logprobs"}
 
 
-def _openai_common(body, model_name: str, default: DecodeConfig):
+def _openai_common(body, model_name: str, default: DecodeConfig, limits: Limits):
     m = body.get("model")
     if m is not None and m != model_name:
         raise RequestError("model", f"unknown model {m!r}; this server serves {model_name!r}", status=404)
@@ -288,8 +395,12 @@ def _openai_common(body, model_name: str, default: DecodeConfig):
     if body.get("logit_bias") not in (None, {}):
         raise RequestError("logit_bias", "is not supported by this server")
     temperature = _float(body, "temperature", 1.0)
+    if not 0.0 <= temperature <= 2.0:
+        raise RequestError("temperature", f"must be in [0, 2] (0 = greedy), got {temperature}")
     top_p = _float(body, "top_p", 1.0)
     top_k = _int(body, "top_k", 0)
+    if top_k == -1:  # vLLM's spelling of "off"
+        top_k = 0
     seed = _int(body, "seed", None, lo=0, hi=2**31 - 1)
     sampling = _sampling(temperature, top_k, top_p, 0 if seed is None else seed)
     stream = _bool(body, "stream")
@@ -302,13 +413,13 @@ def _openai_common(body, model_name: str, default: DecodeConfig):
             raise _type_error("stream_options", "an object", so)
         _check_unknown({f"stream_options.{k}": v for k, v in so.items()}, {"stream_options.include_usage"})
         include_usage = _bool(so, "include_usage", field="stream_options.include_usage")
-    stop = _stop_list(body.get("stop"))
-    config = parse_decode_config(body.get("jf"), default)
+    stop = _stop_list(body.get("stop"), max_n=limits.max_stop, max_chars=limits.max_stop_chars)
+    config = parse_decode_config(body.get("jf"), default, limits)
     return dict(sampling=sampling, seeded=seed is not None, stream=stream, include_usage=include_usage,
                 stop=stop, config=config)
 
 
-def parse_completion(body, tokenizer, max_context: int, model_name: str, default: DecodeConfig) -> ParsedRequest:
+def parse_completion(body, tokenizer, limits: Limits, model_name: str, default: DecodeConfig) -> ParsedRequest:
     """``POST /v1/completions`` body -> :class:`ParsedRequest`. ``prompt``: a string, a list with one
     string, or a list of token ids. ``max_tokens`` default 16 (as OpenAI).
 
@@ -326,11 +437,15 @@ def parse_completion(body, tokenizer, max_context: int, model_name: str, default
         raise RequestError("best_of", "only best_of=1 is supported")
     if body.get("suffix") not in (None, ""):
         raise RequestError("suffix", "is not supported by this server")
-    c = _openai_common(body, model_name, default)
+    c = _openai_common(body, model_name, default, limits)
     p = body["prompt"]
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
         p = p[0]
+    if isinstance(p, list) and len(p) > limits.max_context:
+        raise RequestError("prompt", f"the prompt has {len(p)} tokens; the context window is "
+                                     f"{limits.max_context} tokens")
     if isinstance(p, str):
+        _check_chars(p, limits, "prompt")
         text, ids = p, tokenizer.encode(p)
     elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         if any(t < 0 or t >= tokenizer.vocab_size for t in p):
@@ -341,14 +456,15 @@ def parse_completion(body, tokenizer, max_context: int, model_name: str, default
     else:
         raise _type_error("prompt", "a string or a list of token ids", p)
     max_tokens = _int(body, "max_tokens", 16, lo=1)
-    _check_context(len(ids), max_tokens, max_context, "prompt", "max_tokens")
+    _check_context(len(ids), max_tokens, limits.max_context, "prompt", "max_tokens")
     return ParsedRequest(prompts=[ids], prompt_texts=[text], max_tokens=max_tokens, **c)
 
 
-def parse_chat(body, tokenizer, max_context: int, model_name: str, default: DecodeConfig) -> ParsedRequest:
+def parse_chat(body, tokenizer, limits: Limits, model_name: str, default: DecodeConfig) -> ParsedRequest:
     """``POST /v1/chat/completions`` body -> :class:`ParsedRequest` (the tokenizer's chat template is
-    applied with a generation prompt). ``max_tokens``/``max_completion_tokens`` default: the rest of
-    the context window.
+    applied with a generation prompt). ``content`` is a string or a list of text parts
+    (``[{"type": "text", "text": ...}]``, joined with newlines as vLLM does). ``max_tokens`` /
+    ``max_completion_tokens`` default: the rest of the context window.
 
     Raises:
         RequestError: naming the offending field.
@@ -363,25 +479,49 @@ def parse_chat(body, tokenizer, max_context: int, model_name: str, default: Deco
         raise RequestError("messages", "is required")
     if not isinstance(msgs, list) or not msgs:
         raise RequestError("messages", "must be a non-empty list of {role, content} objects")
+    contents = []
     for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise RequestError(f"messages[{i}]", "must be an object with string 'role' and 'content'")
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or \
+                not isinstance(m.get("content"), (str, list)):
+            raise RequestError(f"messages[{i}]", "must be an object with string 'role' and 'content' (a string "
+                                                 "or a list of text parts)")
         extra = set(m) - {"role", "content", "name"}
         if extra:
             raise RequestError(f"messages[{i}].{sorted(extra)[0]}", "unsupported message field")
-    c = _openai_common(body, model_name, default)
+        contents.append(_content(m["content"], f"messages[{i}].content"))
+    c = _openai_common(body, model_name, default, limits)
+    _check_chars("".join(contents), limits, "messages")
     try:
-        text = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in msgs])
+        text = tokenizer.apply_chat_template([{"role": m["role"], "content": t} for m, t in zip(msgs, contents)])
     except ValueError as e:
         raise RequestError("messages", str(e)) from None
+    _check_chars(text, limits, "messages")
     ids = tokenizer.encode(text)
     if "max_tokens" in body and "max_completion_tokens" in body:
         raise RequestError("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
     key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     max_tokens = _int(body, key, None, lo=1)
     if max_tokens is None:
-        if len(ids) >= max_context:
-            _check_context(len(ids), 1, max_context, "messages", key)
-        max_tokens = max_context - len(ids)
-    _check_context(len(ids), max_tokens, max_context, "messages", key)
+        if len(ids) >= limits.max_context:
+            _check_context(len(ids), 1, limits.max_context, "messages", key)
+        max_tokens = limits.max_context - len(ids)
+    _check_context(len(ids), max_tokens, limits.max_context, "messages", key)
     return ParsedRequest(prompts=[ids], prompt_texts=[text], max_tokens=max_tokens, **c)
+
+
+def _content(v, field: str) -> str:
+    """A message's ``content``: a string, or a list of ``{"type": "text", "text": str}`` parts."""
+    if isinstance(v, str):
+        return v
+    parts = []
+    for j, part in enumerate(v):
+        f = f"{field}[{j}]"
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise RequestError(f, f"only text content parts are supported, got {kind!r}")
+        if set(part) - {"type", "text"}:
+            raise RequestError(f"{f}.{sorted(set(part) - {'type', 'text'})[0]}", "unsupported content part field")
+        if not isinstance(part.get("text"), str):
+            raise _type_error(f"{f}.text", "a string", part.get("text"))
+        parts.append(part["text"])
+    return "\n".join(parts)

@@ -1,40 +1,35 @@
-"""Batching scheduler: one thread collects waiting requests and runs them together as one
-:meth:`Engine.generate <megatron_jf.inference.engine.Engine.generate>` call.
+"""Continuous-batching scheduler: one thread steps an :class:`~megatron_jf.inference.engine.BatchSession`.
 
-Grouping. One ``generate`` call takes one :class:`DecodeConfig`, one :class:`SamplingParams`, one
-``max_new_tokens`` and one set of stop strings, so a batch holds requests that agree on:
+Every engine step decodes all running requests in one forward, whatever their decode config (decoder,
+block size, ...), sampling parameters, ``max_tokens``, EOS ids and stop strings: each row carries its
+own. Between steps the thread
 
-* the decode config (decoder and its parameters);
-* the sampling mode: greedy requests batch together; sampled requests without a seed batch together
-  when temperature/top-k/top-p agree (the batch gets a fresh random seed); a sampled request *with*
-  a seed runs alone, so that its output equals offline ``generate([prompt], seed=seed)`` (the engine
-  gives row ``i`` the seed ``seed + i``);
-* the stop strings, and -- only when there are stop strings -- ``max_tokens``.
+* drops rows whose client went away (:meth:`GenRequest.cancel`): they take no further forward, and their
+  tokens are not counted as generated;
+* admits waiting requests into free rows (up to ``max_batch``); they are prefilled at the next step and
+  join its decode forward, without waiting for the running requests to finish.
 
-Requests with different ``max_tokens`` (and no stop strings) share a batch run for the largest
-``max_tokens``; each row is cut at its own cap (tokens past it are neither streamed nor returned, and
-the finish reason becomes ``length``). Rows decode independently and greedy/verified decoding is exact,
-so a row's output does not depend on the batch it ran in. A request is only added to a batch when
-every row still fits the context window with the batch's ``max_new_tokens``.
+When the engine is idle and a request arrives, the thread waits ``batch_wait_s`` so that requests sent
+together are prefilled together. A row's output does not depend on the rows next to it, so a greedy
+request returns what offline :meth:`Engine.generate <megatron_jf.inference.engine.Engine.generate>`
+returns for its prompt, and a seeded sampled one what offline generate with that seed returns.
 
-Streaming. ``on_tokens`` pushes each committed group of tokens to the request's asyncio queue
+Streaming. The session's ``on_tokens`` pushes each group of final tokens to the request's asyncio queue
 (thread-safe, via ``loop.call_soon_threadsafe``) as ``("tokens", ids)``; the end of the request is
 ``("done", RequestOutput)`` or ``("error", exception)``.
 
-Cancellation. :meth:`GenRequest.cancel` (e.g. the client disconnected mid-stream) removes a waiting
-request from the queue; a request already in a running batch keeps its row (the engine cannot drop a
-row mid-call) -- the row finishes with the batch and its output is discarded.
-
-Tensor parallelism. With ``broadcast=True`` every batch (token ids + parameters) is sent from rank 0
-with ``torch.distributed.broadcast_object_list`` before ``generate``; other ranks run
-:func:`follower_loop`, which receives each batch and makes the same ``generate`` call. While idle,
-rank 0 broadcasts a no-op every ``heartbeat_s`` seconds so followers' collectives never time out.
+Tensor parallelism. With ``broadcast=True`` each step's changes (rows added, with token ids and
+parameters; rows removed) are sent from rank 0 with ``torch.distributed.broadcast_object_list`` before
+the step; other ranks run :func:`follower_loop`, which applies the same changes to their own session and
+steps it, so all ranks make the same forwards. While idle, rank 0 broadcasts a no-op every
+``heartbeat_s`` seconds so followers' collectives never time out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import random
 import threading
 import time
@@ -43,6 +38,8 @@ from dataclasses import dataclass, field
 
 from megatron_jf.inference.engine import DecodeConfig, Engine, GenerationResult
 from megatron_jf.inference.sampling import SamplingParams
+
+log = logging.getLogger("megatron_jf.server")
 
 
 class QueueFullError(RuntimeError):
@@ -61,13 +58,17 @@ class RequestOutput:
     """Result of one request (one batch row).
 
     Attributes:
-        tokens: emitted ids, cut at the request's own ``max_tokens`` (EOS included when it ended it).
+        tokens: emitted ids (EOS included when it ended the request; with a stop string, the tokens
+            entirely before it).
         finish_reason: ``eos``, ``stop`` (a stop string) or ``length``.
-        forwards: decode forwards the row took until it finished (or until it reached its own cap).
+        forwards: decode forwards the row took.
         prompt_len: prompt tokens.
-        batch_size: rows in the ``generate`` call.
-        prefill_s, decode_s: engine wall seconds (prefill of the whole batch; this row's decode).
-        queue_s: seconds between submit and the start of its batch.
+        batch_size: rows in the engine step that finished it.
+        prefill_s, decode_s: engine wall seconds (its prefill forward; the steps it was part of).
+        queue_s: seconds between submit and the prefill.
+        tail_text: text before the stop string of a token that straddles it (see
+            :class:`~megatron_jf.inference.engine.GenerationResult`).
+        draft_lens, draft_accepted: per forward, draft tokens verified and accepted.
     """
 
     tokens: list[int]
@@ -78,6 +79,9 @@ class RequestOutput:
     prefill_s: float
     decode_s: float
     queue_s: float
+    tail_text: str = ""
+    draft_lens: list[int] = field(default_factory=list)
+    draft_accepted: list[int] = field(default_factory=list)
 
     @property
     def tpf(self) -> float:
@@ -93,12 +97,13 @@ class GenRequest:
         prompt: prompt token ids (non-empty).
         max_tokens: cap on emitted tokens (>= 1; prompt + cap must fit the context).
         config: decoder and its parameters.
-        sampling: sampling parameters (``temperature == 0``: greedy).
-        seeded: the client gave a seed (sampled requests with a seed run alone).
+        sampling: sampling parameters (``temperature == 0``: greedy). Its ``seed`` seeds the draft
+            initialisation; the sampling generator gets ``seed + seed_offset`` (Megatron's prompt ``i``
+            of a request samples with ``random_seed + i``, as offline generate on the list).
+        seeded: the client gave a seed (otherwise a sampled request gets a fresh random seed).
         stop: stop strings.
         eos_ids: ids that end the request (kept as its last token).
-        loop, queue: where events go (``None`` queue: no streaming, only the ``done`` event is needed --
-            :attr:`future`-style waiting through the same queue).
+        loop, queue: where events go.
     """
 
     prompt: list[int]
@@ -108,29 +113,20 @@ class GenRequest:
     stop: tuple[str, ...] = ()
     eos_ids: frozenset = frozenset()
     seeded: bool = False
+    seed_offset: int = 0
     loop: asyncio.AbstractEventLoop | None = None
     queue: asyncio.Queue | None = None
     id: int = field(default_factory=lambda: next(_ids))
     submitted: float = 0.0
+    started: float | None = None
     first_token: float | None = None
     finished: float | None = None
     cancelled: bool = False
-    _sent: int = 0  # tokens streamed so far
 
     def cancel(self) -> None:
-        """Mark the request cancelled: dropped if still waiting; output discarded if running."""
+        """Mark the request cancelled: dropped if still waiting, removed from the batch at the next step
+        if running."""
         self.cancelled = True
-
-    def group_key(self) -> tuple:
-        """Requests with equal keys can share one ``generate`` call (see the module docstring)."""
-        s = self.sampling
-        if s.greedy:
-            samp = ("greedy",)
-        elif self.seeded:
-            samp = ("seeded", self.id)  # alone
-        else:
-            samp = ("sampled", s.temperature, s.top_k, s.top_p)
-        return (self.config, samp, self.stop, self.max_tokens if self.stop else None, self.eos_ids)
 
     def _emit(self, kind: str, payload) -> None:
         if self.loop is None or self.queue is None:
@@ -141,33 +137,57 @@ class GenRequest:
             pass
 
 
+def _add_op(r: GenRequest) -> dict:
+    """What every rank needs to add ``r`` to its session (broadcast under TP)."""
+    return {"prompt": r.prompt, "config": r.config, "max_new_tokens": r.max_tokens, "sampling": r.sampling,
+            "seed": r.sampling.seed + r.seed_offset, "eos_ids": r.eos_ids, "stop": r.stop}
+
+
+def _apply(sess, op: dict) -> list[int | Exception]:
+    """Apply one step's changes to ``sess``: remove keys, add rows. Returns the new keys (or the
+    ValueError of a row that could not be added), in order."""
+    for k in op["remove"]:
+        sess.remove(k)
+    keys = []
+    for a in op["add"]:
+        try:
+            keys.append(sess.add(a["prompt"], a["config"], max_new_tokens=a["max_new_tokens"], sampling=a["sampling"],
+                                 seed=a["seed"], eos_ids=a["eos_ids"], stop_strings=a["stop"]))
+        except ValueError as e:
+            keys.append(e)
+    return keys
+
+
 class Scheduler:
-    """Collects requests and runs them in batches on a background thread.
+    """Runs requests with continuous batching on a background thread.
 
     Args:
         engine: the decoding engine.
         detokenize: ``ids -> str`` for stop strings (``tokenizer.decode``).
-        max_batch: most requests per ``generate`` call.
+        max_batch: most requests decoding at once (KV-cache rows).
         max_queue: most waiting requests; :meth:`submit` raises :class:`QueueFullError` beyond it.
-        batch_wait_s: before each batch is formed (after the first request arrives, and after the
-            previous batch ends) wait this long (seconds) for more requests to join. Without it, closed-loop
-            clients split into groups that alternate (the clients of the batch that just ended resubmit
-            after the next batch was taken); 20 ms costs little latency and keeps them in one batch.
-        broadcast: tensor-parallel serving -- broadcast each batch from rank 0 (see module docstring).
+        batch_wait_s: when the engine is idle and a request arrives, wait this long (seconds) for more
+            requests before the first step, so that requests sent together are prefilled together.
+        max_width: most tokens one request may forward per step (the per-request parallel-token budget,
+            see :func:`~megatron_jf.inference.engine.forward_width`).
+        broadcast: tensor-parallel serving -- broadcast each step's changes from rank 0 (module docstring).
         heartbeat_s: idle no-op broadcast period (seconds; ``broadcast`` only).
         metrics: optional :class:`~megatron_jf.server.metrics.Metrics`.
+        group: the process group of the broadcasts.
     """
 
     def __init__(self, engine: Engine, detokenize=None, *, max_batch: int = 32, max_queue: int = 256,
-                 batch_wait_s: float = 0.02, broadcast: bool = False, heartbeat_s: float = 60.0,
-                 metrics=None, group=None):
-        if max_batch < 1 or max_queue < 1:
-            raise ValueError(f"max_batch and max_queue must be >= 1, got {max_batch}, {max_queue}")
+                 batch_wait_s: float = 0.02, max_width: int = 512, broadcast: bool = False,
+                 heartbeat_s: float = 60.0, metrics=None, group=None):
+        if max_batch < 1 or max_queue < 1 or max_width < 1:
+            raise ValueError(f"max_batch, max_queue and max_width must be >= 1, got {max_batch}, {max_queue}, "
+                             f"{max_width}")
         self.engine = engine
         self.detokenize = detokenize
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.batch_wait_s = batch_wait_s
+        self.max_width = max_width
         self.broadcast = broadcast
         self.heartbeat_s = heartbeat_s
         self.metrics = metrics
@@ -175,8 +195,8 @@ class Scheduler:
         self._waiting: deque[GenRequest] = deque()
         self._cv = threading.Condition()
         self._stop = False
-        self._running = 0
-        self.batches_run = 0
+        self._live: dict[int, GenRequest] = {}  # session key -> request
+        self.steps_run = 0
         self._thread = threading.Thread(target=self._loop, name="jf-scheduler", daemon=True)
         self._thread.start()
 
@@ -184,6 +204,11 @@ class Scheduler:
     @property
     def max_context(self) -> int:
         return self.engine.max_context
+
+    @property
+    def batches_run(self) -> int:
+        """Engine steps run so far (kept under its old name for ``/health``)."""
+        return self.steps_run
 
     def submit(self, req: GenRequest) -> GenRequest:
         """Queue a request; events arrive on ``req.queue``.
@@ -200,6 +225,9 @@ class Scheduler:
         if len(req.prompt) + req.max_tokens > self.max_context:
             raise ValueError(f"prompt ({len(req.prompt)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
                              f"context window of {self.max_context} tokens")
+        if not req.sampling.greedy and not req.seeded:
+            req.sampling = SamplingParams(req.sampling.temperature, req.sampling.top_k, req.sampling.top_p,
+                                          seed=random.randrange(1 << 31))
         with self._cv:
             if self._stop:
                 raise SchedulerStoppedError("the scheduler is shut down")
@@ -216,8 +244,8 @@ class Scheduler:
             return len(self._waiting)
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop accepting requests, finish the running batch, fail waiting requests, stop the thread
-        (and, with ``broadcast``, tell followers to exit)."""
+        """Stop accepting requests, fail waiting and running ones, stop the thread (and, with
+        ``broadcast``, tell followers to exit)."""
         with self._cv:
             self._stop = True
             self._cv.notify_all()
@@ -226,63 +254,7 @@ class Scheduler:
     # ------------------------------------------------------------------ thread
     def _gauges(self):
         if self.metrics is not None:
-            self.metrics.set_gauges(len(self._waiting), self._running)
-
-    def _take_batch(self) -> list[GenRequest]:
-        """Pop the oldest request's group (called with the lock held)."""
-        while self._waiting and self._waiting[0].cancelled:
-            self._waiting.popleft()
-        if not self._waiting:
-            return []
-        head = self._waiting[0]
-        key = head.group_key()
-        batch, rest = [], deque()
-        max_new, max_prompt = 0, 0
-        ctx = self.max_context
-        for r in self._waiting:
-            if r.cancelled:
-                continue
-            if len(batch) < self.max_batch and r.group_key() == key:
-                new_max = max(max_new, r.max_tokens)
-                if max(max_prompt, len(r.prompt)) + new_max <= ctx:
-                    batch.append(r)
-                    max_new, max_prompt = new_max, max(max_prompt, len(r.prompt))
-                    continue
-            rest.append(r)
-        self._waiting = rest
-        return batch
-
-    def _loop(self):
-        while True:
-            with self._cv:
-                deadline = time.monotonic() + self.heartbeat_s
-                while not self._waiting and not self._stop:
-                    left = deadline - time.monotonic()
-                    if self.broadcast and left <= 0:
-                        break
-                    self._cv.wait(timeout=left if self.broadcast else None)
-                if self._stop:
-                    leftover = list(self._waiting)
-                    self._waiting.clear()
-                    break
-                idle = not self._waiting
-            if idle:  # heartbeat for tensor-parallel followers
-                self._bcast({"op": "noop"})
-                continue
-            if self.batch_wait_s > 0:
-                time.sleep(self.batch_wait_s)
-            with self._cv:
-                batch = self._take_batch()
-                self._running = len(batch)
-                self._gauges()
-            if batch:
-                self._run(batch)
-            with self._cv:
-                self._running = 0
-                self._gauges()
-        for r in leftover:
-            r._emit("error", SchedulerStoppedError("the server is shutting down"))
-        self._bcast(None)
+            self.metrics.set_gauges(len(self._waiting), len(self._live))
 
     def _bcast(self, payload):
         if not self.broadcast:
@@ -291,90 +263,115 @@ class Scheduler:
 
         dist.broadcast_object_list([payload], src=0, group=self.group)
 
-    def _run(self, batch: list[GenRequest]) -> None:
-        t_start = time.perf_counter()
-        head = batch[0]
-        max_new = max(r.max_tokens for r in batch)
-        sampling = head.sampling
-        if not sampling.greedy and not head.seeded:
-            sampling = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p,
-                                      seed=random.randrange(1 << 31))
-        payload = {"op": "generate", "prompts": [r.prompt for r in batch], "config": head.config,
-                   "max_new_tokens": max_new, "sampling": sampling, "eos_ids": head.eos_ids, "stop": head.stop}
+    def _loop(self):
+        sess = self.engine.open_batch(self.max_batch, max_width=self.max_width, detokenize=self.detokenize)
+        while True:
+            with self._cv:
+                deadline = time.monotonic() + self.heartbeat_s
+                while not self._waiting and not self._live and not self._stop:
+                    left = deadline - time.monotonic()
+                    if self.broadcast and left <= 0:
+                        break
+                    self._cv.wait(timeout=left if self.broadcast else None)
+                if self._stop:
+                    leftover = list(self._waiting) + list(self._live.values())
+                    self._waiting.clear()
+                    self._live.clear()
+                    break
+                idle = not self._waiting and not self._live
+                fresh = not self._live
+            if idle:  # heartbeat for tensor-parallel followers
+                self._bcast({"op": "noop"})
+                continue
+            if fresh and self.batch_wait_s > 0:
+                time.sleep(self.batch_wait_s)
+            with self._cv:
+                removed = [k for k, r in self._live.items() if r.cancelled]
+                for k in removed:
+                    del self._live[k]
+                admitted = []
+                free = self.max_batch - len(self._live)
+                while self._waiting and len(admitted) < free:
+                    r = self._waiting.popleft()
+                    if not r.cancelled:
+                        admitted.append(r)
+            op = {"op": "step", "remove": removed, "add": [_add_op(r) for r in admitted]}
+            try:
+                self._bcast(op)
+                keys = _apply(sess, op)
+                now = time.perf_counter()
+                for r, k in zip(admitted, keys):
+                    if isinstance(k, Exception):
+                        r._emit("error", k)
+                        continue
+                    r.started = now
+                    self._live[k] = r
+                with self._cv:
+                    self._gauges()
+                rows = sess.num_rows
+                done = sess.step(self._on_tokens) if rows else []
+            except Exception as e:  # noqa: BLE001 -- every running request gets the error
+                log.exception("engine step failed")
+                for r in self._live.values():
+                    r._emit("error", e)
+                self._live.clear()
+                sess = self.engine.open_batch(self.max_batch, max_width=self.max_width, detokenize=self.detokenize)
+                continue
+            self.steps_run += 1
+            if self.metrics is not None and rows:
+                self.metrics.step_done(rows)
+            t = time.perf_counter()
+            for k, res in done:
+                r = self._live.pop(k)
+                r.finished = t
+                out = _output(r, res, rows)
+                if self.metrics is not None:
+                    self.metrics.generation_done(out, t - r.submitted,
+                                                 None if r.first_token is None else r.first_token - r.submitted)
+                if not r.cancelled:
+                    r._emit("done", out)
+            if done:
+                with self._cv:
+                    self._gauges()
+        for r in leftover:
+            r._emit("error", SchedulerStoppedError("the server is shutting down"))
+        self._bcast(None)
 
-        def on_tokens(row: int, ids: list[int]) -> None:
-            r = batch[row]
-            room = r.max_tokens - r._sent
-            if room <= 0:
-                return
-            ids = ids[:room]
-            r._sent += len(ids)
-            if r.first_token is None:
-                r.first_token = time.perf_counter()
-            if not r.cancelled:
-                r._emit("tokens", ids)
-
-        try:
-            self._bcast(payload)
-            results = run_payload(self.engine, payload, self.detokenize, on_tokens)
-        except Exception as e:  # noqa: BLE001 -- every request of the batch gets the error
-            for r in batch:
-                r._emit("error", e)
+    def _on_tokens(self, key: int, ids: list[int]) -> None:
+        r = self._live.get(key)
+        if r is None:
             return
-        finally:
-            self.batches_run += 1
-        now = time.perf_counter()
-        if self.metrics is not None:
-            self.metrics.batch_done(len(batch))
-        for r, res in zip(batch, results):
-            out = _cut(r, res, len(batch), t_start - r.submitted)
-            r.finished = now
-            if self.metrics is not None:
-                self.metrics.generation_done(len(r.prompt), len(out.tokens), out.forwards, now - r.submitted,
-                                             None if r.first_token is None else r.first_token - r.submitted)
-            if not r.cancelled:
-                r._emit("done", out)
+        if r.first_token is None:
+            r.first_token = time.perf_counter()
+        if not r.cancelled:
+            r._emit("tokens", ids)
 
 
-def _cut(r: GenRequest, res: GenerationResult, batch_size: int, queue_s: float) -> RequestOutput:
-    """The row's result cut at the request's own ``max_tokens`` (forwards counted up to the cap)."""
-    toks, finish, forwards = res.tokens, res.finish_reason, res.forwards
-    if len(toks) > r.max_tokens:
-        toks = toks[: r.max_tokens]
-        finish = "eos" if toks[-1] in r.eos_ids else "length"
-        acc, forwards = 0, 0
-        for a in res.accepted:
-            forwards += 1
-            acc += a
-            if acc >= r.max_tokens:
-                break
-    return RequestOutput(tokens=list(toks), finish_reason=finish, forwards=forwards, prompt_len=len(r.prompt),
-                         batch_size=batch_size, prefill_s=res.prefill_s, decode_s=res.decode_s, queue_s=queue_s)
+def _output(r: GenRequest, res: GenerationResult, rows: int) -> RequestOutput:
+    return RequestOutput(tokens=list(res.tokens), finish_reason=res.finish_reason, forwards=res.forwards,
+                         prompt_len=len(r.prompt), batch_size=rows, prefill_s=res.prefill_s, decode_s=res.decode_s,
+                         queue_s=(r.started or r.submitted) - r.submitted, tail_text=res.tail_text,
+                         draft_lens=list(res.draft_lens), draft_accepted=list(res.draft_accepted))
 
 
-def run_payload(engine: Engine, payload: dict, detokenize, on_tokens=None) -> list[GenerationResult]:
-    """The ``generate`` call a broadcast payload describes (identical on every tensor-parallel rank)."""
-    return engine.generate(payload["prompts"], payload["config"], max_new_tokens=payload["max_new_tokens"],
-                           sampling=payload["sampling"], eos_ids=payload["eos_ids"],
-                           stop_strings=payload["stop"], detokenize=detokenize if payload["stop"] else None,
-                           on_tokens=on_tokens)
-
-
-def follower_loop(engine: Engine, detokenize, group=None) -> None:
-    """Tensor-parallel ranks > 0: receive batches from rank 0 and run the same ``generate`` calls,
-    until rank 0 broadcasts ``None`` (shutdown). Errors in a batch are swallowed here (rank 0 reports
-    them), so the ranks stay in step."""
+def follower_loop(engine: Engine, detokenize, group=None, *, max_batch: int = 32, max_width: int = 512) -> None:
+    """Tensor-parallel ranks > 0: receive each step's changes from rank 0, apply them to a session of
+    the same shape and step it, until rank 0 broadcasts ``None`` (shutdown). Errors in a step are
+    swallowed here (rank 0 reports them) and the session is reopened, as on rank 0."""
     import torch.distributed as dist
 
+    sess = engine.open_batch(max_batch, max_width=max_width, detokenize=detokenize)
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=group)
-        payload = box[0]
-        if payload is None:
+        op = box[0]
+        if op is None:
             return
-        if payload.get("op") != "generate":
+        if op.get("op") != "step":
             continue
         try:
-            run_payload(engine, payload, detokenize)
+            _apply(sess, op)
+            if sess.num_rows:
+                sess.step()
         except Exception:  # noqa: BLE001 -- rank 0 raises the same error and answers the client
-            pass
+            sess = engine.open_batch(max_batch, max_width=max_width, detokenize=detokenize)
