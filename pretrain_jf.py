@@ -20,6 +20,7 @@ Run ``python pretrain_jf.py --help`` for every option, grouped by concern.
 
 from __future__ import annotations
 
+import math
 import sys
 from functools import partial
 
@@ -34,7 +35,7 @@ def model_provider(model_args, cfg: TrainConfig):
     run's activation-recomputation settings (``--recompute-*``)."""
     from megatron_jf.models.gpt import build_model
 
-    return build_model(model_args, recompute=cfg.recompute_kwargs())
+    return build_model(model_args, recompute=cfg.recompute_kwargs(), sequence_parallel=cfg.sequence_parallel)
 
 
 def loss_func(batch, loss_cfg, vocab_size: int, output_tensor: torch.Tensor):
@@ -68,6 +69,16 @@ def loss_func(batch, loss_cfg, vocab_size: int, output_tensor: torch.Tensor):
     return loss_sum, torch.tensor(B, dtype=torch.int), report
 
 
+def rows_loss_func(batch, loss_cfg, vocab_size: int, weight: torch.Tensor, chunk_size: int, output_tensor: torch.Tensor):
+    """The same loss as :func:`loss_func` from the hidden states of the loss rows only (``output_tensor``
+    ``[N, h]``, :func:`megatron_jf.training.output_head.forward_loss_rows`): the output layer ``weight``
+    ``[V_local, h]`` and the loss run on them in chunks of ``chunk_size`` rows (``--loss-chunk-size``)."""
+    from megatron_jf.training.output_head import head_loss
+
+    loss_sum, report = head_loss(output_tensor, weight, batch, loss_cfg, vocab_size, chunk_size=chunk_size)
+    return loss_sum, torch.tensor(batch.num_samples, dtype=torch.int), report
+
+
 def ar_loss_func(batch, vocab_size: int, output_tensor: torch.Tensor):
     """Next-token loss (``--objective ar``): ``(loss summed over tokens, token count, report)``."""
     from megatron_jf.training.losses import ar_loss
@@ -79,18 +90,22 @@ def forward_step(data_iterator, model, *, cfg: TrainConfig):
     """Forward one microbatch (megatron-core ``forward_step_func`` contract).
 
     Returns:
-        ``(output, partial(loss_func, ...))``: logits on the last pipeline stage, hidden states
-        elsewhere (the schedule only calls the loss function on the last stage).
+        ``(output, partial(loss function, ...))``: on the last pipeline stage the logits (``--objective ar``)
+        or the hidden states of the JF loss rows (:func:`rows_loss_func`); hidden states elsewhere (the
+        schedule only calls the loss function on the last stage).
     """
     from megatron_jf.models.gpt import unwrap
-    from megatron_jf.training.attention_paths import forward_model
 
     batch = next(data_iterator).to(platform.default_device())
     vocab = unwrap(model).vocab_size_unpadded
     if cfg.objective == "ar":
         output = model(batch.tokens, batch.position_ids, None, runtime_gather_output=False)
         return output, partial(ar_loss_func, batch, vocab)
-    return forward_model(model, batch), partial(loss_func, batch, cfg.loss_config(), vocab)
+    from megatron_jf.training.output_head import forward_loss_rows, output_weight
+
+    loss_cfg = cfg.loss_config()
+    rows = forward_loss_rows(model, batch, with_teacher=loss_cfg.consistency_loss != "hard")
+    return rows, partial(rows_loss_func, batch, loss_cfg, vocab, output_weight(model), cfg.loss_chunk_size)
 
 
 def train_valid_datasets_provider(cfg: TrainConfig, model_args):
@@ -107,6 +122,9 @@ def train_valid_datasets_provider(cfg: TrainConfig, model_args):
 
     rank, world = parallel.dp_rank(), parallel.dp_size()
     seq = effective_seq_length(cfg, model_args.max_position_embeddings)
+    if cfg.sequence_parallel and (cfg.objective == "ar" or cfg.pp > 1) and seq % cfg.tp:
+        raise ValueError(f"--sequence-parallel splits every row over --tp {cfg.tp}: --seq-length {seq} must be a "
+                         "multiple of it")
     if cfg.objective == "ar":
         from megatron_jf.data.text import TokenChunkDataset, collate_text
 
@@ -130,7 +148,7 @@ def train_valid_datasets_provider(cfg: TrainConfig, model_args):
             model_args.eos_token_ids[0] if model_args.eos_token_ids else 0)
         collate = partial(build_jf_batch, path=cfg.attention_path, mask=cfg.mask, window_size=cfg.window_size,
                           pad_id=int(pad), pad_to=seq if cfg.pp > 1 else None, max_len=seq,
-                          pad_to_multiple_of=8, max_position=model_args.max_position_embeddings,
+                          pad_to_multiple_of=math.lcm(8, cfg.tp), max_position=model_args.max_position_embeddings,
                           vocab_size=model_args.vocab_size)
 
         def make(paths, shuffle):

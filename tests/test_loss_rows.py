@@ -89,6 +89,7 @@ def models(mp1):
     ("two_stream", "hard", "paper", 3),
     ("dense", "kl", "paper", 4),
     ("dense", "soft_ce", "reference", 1000),
+    ("packed", "kl", "paper", 6),
 ])
 def test_loss_rows_equal_full_rows(models, path, kind, norm, chunk):
     from megatron_jf.training.attention_paths import build_jf_batch
@@ -97,7 +98,7 @@ def test_loss_rows_equal_full_rows(models, path, kind, norm, chunk):
     model, args = models["untied"]
     cfg = LossConfig(consistency_loss=kind, temperature=1.5 if kind == "soft_ce" else 1.0, pc_normalization=norm,
                      ar_weight=0.7)
-    batch = build_jf_batch(_packed(), path=path, mask="nc" if path == "two_stream" else "nc_ic", window_size=2)
+    batch = build_jf_batch(_packed(), path=path, mask="nc_ic" if path == "dense" else "nc", window_size=2)
     old = old_step(model, batch, cfg, args.vocab_size)
     new = new_step(model, batch, cfg, args.vocab_size, chunk)
     assert_same(old, new)

@@ -47,6 +47,9 @@ class TrainConfig:
     """megatron DDP + optimizer (GPU only); None = on iff CUDA is available."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state over DP (megatron DistributedOptimizer; GPU path only)."""
+    sequence_parallel: bool = False
+    """Megatron-LM ``--sequence-parallel`` (tp > 1): norms and residuals run on ``S / tp`` positions per TP
+    rank (activations between the TP regions split over the TP group); loss rows are gathered from the shards."""
     precision: str = "auto"
     """``auto`` (bf16 on GPU with the megatron optimizer, else fp32) | ``fp32`` | ``bf16``."""
     threads: int | None = None
@@ -110,6 +113,9 @@ class TrainConfig:
     """Weight ``w`` of L_AR (paper Eq. 9; reference code uses 10)."""
     pc_normalization: str = "paper"
     """``paper`` (per-block mean, then 1/N over blocks) | ``reference`` (mean over positions / N)."""
+    loss_chunk_size: int = 1024
+    """Loss rows per chunk of the fused output layer + JF loss (peak temporaries ``O(chunk x V_local)``,
+    :func:`megatron_jf.training.losses.loss_temporary_bytes`); 0 = all rows in one chunk."""
     anchor_data: list[str] | None = None
     """Real-text token files (``.npy``/``.bin``/``.jsonl`` as ``--objective ar``; JSONL needs ``--tokenizer``)
     for the anchor term L_anchor (next-token CE on real text, trained in the same steps)."""
@@ -198,6 +204,11 @@ class TrainConfig:
         need(self.mask in MASKS, f"--mask must be one of {MASKS}")
         need(self.num_workers >= 0, "--num-workers must be >= 0")
         self._validate_recompute(need)
+        need(self.loss_chunk_size >= 0, f"--loss-chunk-size must be >= 0, got {self.loss_chunk_size}")
+        need(not self.sequence_parallel or self.tp > 1, "--sequence-parallel needs --tp > 1 (as in Megatron-LM)")
+        need(not (self.sequence_parallel and self.anchor_data and self.anchor_seq_length % self.tp),
+             f"--sequence-parallel splits rows over --tp {self.tp}: --anchor-seq-length {self.anchor_seq_length} "
+             "must be a multiple of it")
         need(self.log_interval >= 1, "--log-interval must be >= 1")
         for name in ("save_interval", "eval_interval", "exit_interval", "keep_last", "eval_iters", "threads"):
             v = getattr(self, name)
@@ -321,6 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt_bool(g, "--use-megatron-optimizer", "megatron DDP + optimizer (default: on iff CUDA is available)")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard optimizer state over DP (megatron DistributedOptimizer; GPU)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="split norms/residuals over the TP group along the sequence (needs --tp > 1)")
     g.add_argument("--precision", choices=PRECISIONS, default=d.precision,
                    help="weights/activations dtype (auto: bf16 on GPU with the megatron optimizer, else fp32)")
     g.add_argument("--bf16", dest="precision", action="store_const", const="bf16", default=argparse.SUPPRESS,
@@ -383,6 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pc-normalization", choices=PC_NORMALIZATIONS, default=d.pc_normalization,
                    help="paper: per-block mean, then 1/N over blocks; reference: official code's mean over "
                         "positions / N")
+    g.add_argument("--loss-chunk-size", type=int, default=d.loss_chunk_size,
+                   help="loss rows per chunk of the fused output layer + loss (memory O(chunk x vocab/tp); "
+                        "0 = one chunk)")
     g.add_argument("--anchor-data", nargs="+", default=None, metavar="PATH",
                    help="real-text token files (.npy/.bin/.jsonl) for the anchor term (next-token CE on real "
                         "text in the same steps; JSONL needs --tokenizer)")

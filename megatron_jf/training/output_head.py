@@ -45,10 +45,13 @@ def loss_row_index(batch, *, with_teacher: bool = True) -> torch.Tensor:
 
 
 def output_weight(model) -> torch.Tensor:
-    """This rank's output-layer weight ``[V_local, h]`` (the word embedding when tied)."""
+    """This rank's output-layer weight ``[V_local, h]`` (the word embedding when tied); None on a pipeline
+    stage without the output layer."""
     from megatron_jf.models.gpt import unwrap
 
     m = unwrap(model)
+    if not m.post_process:
+        return None
     if m.share_embeddings_and_output_weights:
         return m.shared_embedding_or_output_weight()
     return m.output_layer.weight

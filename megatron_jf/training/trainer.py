@@ -303,8 +303,12 @@ class Trainer:
 
     def _finalize_grads(self, model_list, num_tokens=None, **_kw):
         """Gradient synchronisation after the schedule (torch path): DP average when torch DDP is not
-        in use (pp > 1), then the first/last-stage sum of the tied embedding gradient."""
+        in use (pp > 1), then the first/last-stage sum of the tied embedding gradient; under
+        ``--sequence-parallel`` first the TP sum of the norm gradients (each rank saw ``S / tp`` positions)."""
+        from megatron_jf.training.optim import allreduce_sequence_parallel_grads
+
         ps = self.ps
+        allreduce_sequence_parallel_grads(self.module)
         params = [p for p in self.module.parameters() if p.requires_grad]
         if self.dp > 1 and not self.torch_ddp:
             all_reduce_grads(params, ps.get_data_parallel_group(), self.dp)
