@@ -91,7 +91,7 @@ def main(argv=None):
     from megatron_jf.cli import params_dtype
     from megatron_jf.inference.engine import Engine
     from megatron_jf.load_errors import reject_hf_dir
-    from megatron_jf.tokenizer import load_tokenizer
+    from megatron_jf.tokenizer import load_tokenizer, stop_token_ids
 
     try:
         reject_hf_dir(a.load)
@@ -110,14 +110,14 @@ def main(argv=None):
         model, margs, _ = load_model(a.load, params_dtype=params_dtype(a.params_dtype))
         texts = [tok.apply_chat_template([{"role": "user", "content": x}]) if a.chat else x for x in prompts]
         ids = [tok.encode(t) for t in texts]
-        eos = set(tok.eos_ids) | set(margs.eos_token_ids)
+        eos = stop_token_ids(tok, margs, a.load)  # the one stop set (also the server's)
         res = Engine(model).generate(ids, cfg, max_new_tokens=a.max_new_tokens, sampling=sp, eos_ids=eos,
                                      stop_strings=tuple(a.stop), detokenize=tok.decode)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None
     if parallel.is_rank0():
         for t, r in zip(prompts, res):
-            text = tok.decode(r.tokens)
+            text = tok.decode(r.tokens) + r.tail_text  # tail: start of a token straddling a stop string
             if a.json:
                 print(json.dumps({"prompt": t, "text": text, "tokens": r.tokens, "finish_reason": r.finish_reason,
                                   "forwards": r.forwards, "tpf": r.tpf, "tps": r.tps, "accepted": r.accepted,

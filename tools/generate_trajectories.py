@@ -116,7 +116,7 @@ def run(args) -> dict | None:
     from megatron_jf.data import collect as C
     from megatron_jf.load_errors import reject_hf_dir
     from megatron_jf.models.hf_config import ModelArgs
-    from megatron_jf.tokenizer import load_tokenizer
+    from megatron_jf.tokenizer import load_tokenizer, stop_token_ids
 
     t_start = time.perf_counter()
     # ---- cheap checks first: prompt file, checkpoint metadata, tokenizer
@@ -135,7 +135,7 @@ def run(args) -> dict | None:
     if tokenizer is not None and tokenizer.vocab_size > margs.vocab_size:
         raise ValueError(f"tokenizer {tok_path} has {tokenizer.vocab_size} tokens but the model only "
                          f"{margs.vocab_size}: wrong tokenizer for {args.load}")
-    eos_ids = frozenset(margs.eos_token_ids) | (tokenizer.eos_ids if tokenizer is not None else frozenset())
+    eos_ids = stop_token_ids(tokenizer, margs, args.load)  # the one stop set (also the server's)
     if not eos_ids:
         print("warning: no stop token known (tokenizer or checkpoint); every response runs to --max-new-tokens",
               file=sys.stderr)
