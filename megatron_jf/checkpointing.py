@@ -1,21 +1,40 @@
-"""Checkpoints: megatron-core distributed checkpoints (``torch_dist``), saved atomically, loadable at any TP/PP.
+"""Checkpoints: megatron-core distributed checkpoints (``torch_dist``), saved atomically, loadable at any TP/PP,
+in Megatron-LM's format both ways.
 
-Directory layout (Megatron-LM's, so its tools recognise it)::
+Directory layout (Megatron-LM's)::
 
     CKPT/
-      latest_checkpointed_iteration.txt     # "120": the newest complete checkpoint
-      iter_0000120/                         # megatron dist_checkpointing files + jf_meta.json
+      latest_checkpointed_iteration.txt     # "120" (or "release"): the newest complete checkpoint
+      iter_0000120/                         # dist_checkpointing files: .metadata, *.distcp, common.pt, metadata.json
+        jf_meta.json                        # this project's extra file (model args as JSON, training state)
+      release/                              # what a "release" pointer names (Megatron-LM's converted models)
       tokenizer/                            # tokenizer files copied from the HF checkpoint
 
-A save writes ``iter_XXXXXXX.tmp`` and renames it into place, then rewrites the ``latest`` file
-through a temporary name, so a crash mid-save leaves the previous checkpoint loadable. Scripts that
-save must run under ``if __name__ == "__main__":`` (dist_checkpointing starts a spawn-context manager).
+Megatron-LM interop. The model's sharded keys are ``GPTModel.sharded_state_dict()`` keys with no prefix
+(``embedding.word_embeddings.weight``, ``decoder.layers.self_attention.linear_qkv.weight``, ...) under the
+state-dict entry ``model``, as Megatron-LM's ``generate_state_dict`` saves them, and ``common.pt`` carries
+``args`` (an ``argparse.Namespace`` with Megatron-LM's argument names, :func:`megatron_lm_args`),
+``iteration`` and ``checkpoint_version`` (3.0), which Megatron-LM's ``load_args_from_checkpoint`` and
+``load_checkpoint`` read. A checkpoint without ``jf_meta.json`` (one Megatron-LM wrote) is read from
+``common.pt`` instead (:func:`model_args_from_megatron_lm`). Checkpoints of this project saved before the
+change (model keys prefixed ``model.``, no ``model_key_prefix`` in ``jf_meta.json``) still load.
+Megatron-LM reads the model weights of our checkpoints (``--finetune`` / ``--no-load-optim
+--no-load-rng``); optimizer and RNG state are in this project's own layout.
+
+Saves. A save writes ``iter_XXXXXXX.tmp`` and renames it into place, then rewrites the ``latest`` file
+through a temporary name, so a crash mid-save leaves the previous checkpoint loadable; the next save (or
+:func:`remove_stale_tmp` at start-up) deletes such ``.tmp`` leftovers and never a complete checkpoint. A
+save starts no helper process that could outlive a killed run (see :func:`_sync_results_queue`).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
+import queue
+import re
 import shutil
 
 import torch
@@ -26,7 +45,12 @@ from megatron_jf.models.hf_config import ModelArgs
 
 META = "jf_meta.json"
 LATEST = "latest_checkpointed_iteration.txt"
+RELEASE = "release"
 FORMAT = "megatron-jf/1"
+CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version (query/key/value ordering of mcore models)
+MODEL_KEY_PREFIX = ""  # sharded-key prefix of the model in new checkpoints (Megatron-LM's)
+OLD_MODEL_KEY_PREFIX = "model."  # this project's checkpoints before Megatron-LM interop
+_STALE = re.compile(r"^(iter_\d{7}|release|tokenizer)\.tmp$")
 
 
 def iter_dir(ckpt_dir: str, iteration: int) -> str:
@@ -34,50 +58,207 @@ def iter_dir(ckpt_dir: str, iteration: int) -> str:
     return os.path.join(ckpt_dir, f"iter_{iteration:07d}")
 
 
-def latest_iteration(ckpt_dir: str) -> int | None:
-    """The newest complete iteration in ``ckpt_dir``, or None if it holds no checkpoint.
+def _is_complete(path: str) -> bool:
+    """A finished checkpoint directory: ours (``jf_meta.json``, written last) or Megatron-LM's
+    (dist_checkpointing's ``metadata.json`` and ``common.pt``)."""
+    return os.path.isfile(os.path.join(path, META)) or (
+        os.path.isfile(os.path.join(path, "metadata.json")) and os.path.isfile(os.path.join(path, "common.pt")))
+
+
+def _read_pointer(ckpt_dir: str) -> tuple[int, str] | None:
+    """``(iteration, directory)`` named by the ``latest`` file (``release`` is iteration 0), or None.
 
     Raises:
-        ValueError: the ``latest`` file is corrupt or points to a missing directory.
+        ValueError: the file holds neither a number nor ``release``, or names a missing/incomplete directory.
     """
     path = os.path.join(ckpt_dir, LATEST)
     if not os.path.isfile(path):
         return None
     text = open(path).read().strip()
-    if not text.isdigit():
-        raise ValueError(f"corrupt checkpoint pointer {path}: {text[:40]!r}")
-    it = int(text)
-    if not os.path.isfile(os.path.join(iter_dir(ckpt_dir, it), META)):
-        raise ValueError(f"{path} names iteration {it} but {iter_dir(ckpt_dir, it)} is missing or incomplete")
-    return it
+    if text == RELEASE:
+        it, d = 0, os.path.join(ckpt_dir, RELEASE)
+    elif text.isdigit():
+        it, d = int(text), iter_dir(ckpt_dir, int(text))
+    else:
+        raise ValueError(f"corrupt checkpoint pointer {path}: {text[:40]!r} (expected an iteration number or "
+                         f"'{RELEASE}')")
+    if not os.path.isdir(d):
+        raise ValueError(f"{path} names {text!r} but {d} is missing")
+    if not _is_complete(d):
+        raise ValueError(f"{path} names {text!r} but {d} is incomplete (neither {META} nor "
+                         f"dist_checkpointing's metadata.json + common.pt)")
+    return it, d
 
 
-def read_meta(ckpt_dir: str, iteration: int | None = None) -> dict:
-    """The ``jf_meta.json`` of a checkpoint (``model_args``, ``iteration``, ``tp``, ``pp``, extras).
+def latest_iteration(ckpt_dir: str) -> int | None:
+    """The newest complete iteration in ``ckpt_dir`` (0 for a ``release`` checkpoint), or None if none.
 
     Raises:
-        FileNotFoundError: no checkpoint in ``ckpt_dir``.
-        ValueError: unknown format or corrupt metadata.
+        ValueError: the ``latest`` file is corrupt or points to a missing or incomplete directory.
+    """
+    got = _read_pointer(ckpt_dir)
+    return None if got is None else got[0]
+
+
+def checkpoint_path(ckpt_dir: str, iteration: int | None = None) -> str:
+    """The directory holding ``iteration`` (default: the latest; ``release/`` when the pointer says so).
+
+    Raises:
+        FileNotFoundError: no checkpoint, or no such iteration (lists the available ones).
+        ValueError: see :func:`latest_iteration`.
     """
     if not os.path.isdir(ckpt_dir):
         raise FileNotFoundError(f"checkpoint directory not found: {ckpt_dir}")
-    it = latest_iteration(ckpt_dir) if iteration is None else iteration
-    if it is None:
-        raise FileNotFoundError(f"no checkpoint in {ckpt_dir} (missing {LATEST})")
-    path = os.path.join(iter_dir(ckpt_dir, it), META)
-    if iteration is not None and not os.path.isfile(path):
-        have = sorted(int(n[5:]) for n in os.listdir(ckpt_dir)
-                      if n.startswith("iter_") and n[5:].isdigit() and os.path.isfile(os.path.join(ckpt_dir, n, META)))
-        raise FileNotFoundError(f"{ckpt_dir} has no iteration {iteration}; available: {have or 'none'}")
+    got = _read_pointer(ckpt_dir)
+    if iteration is None:
+        if got is None:
+            raise FileNotFoundError(f"no checkpoint in {ckpt_dir} (missing {LATEST})")
+        return got[1]
+    d = iter_dir(ckpt_dir, iteration)
+    if _is_complete(d):
+        return d
+    if got is not None and got[0] == iteration:
+        return got[1]
+    have = sorted(int(n[5:]) for n in os.listdir(ckpt_dir)
+                  if n.startswith("iter_") and n[5:].isdigit() and _is_complete(os.path.join(ckpt_dir, n)))
+    raise FileNotFoundError(f"{ckpt_dir} has no iteration {iteration}; available: {have or 'none'}")
+
+
+def read_meta(ckpt_dir: str, iteration: int | None = None) -> dict:
+    """Metadata of a checkpoint: ``model_args``, ``iteration``, ``tp``, ``pp``, ``common``, ``path``.
+
+    From ``jf_meta.json``, or for a Megatron-LM checkpoint (none there) from the ``args`` in ``common.pt``.
+
+    Raises:
+        FileNotFoundError: no checkpoint in ``ckpt_dir`` or no such iteration.
+        ValueError: unknown format, corrupt metadata, or Megatron-LM arguments of an unsupported model.
+    """
+    d = checkpoint_path(ckpt_dir, iteration)
+    path = os.path.join(d, META)
+    if not os.path.isfile(path):
+        return _meta_from_megatron_lm(d)
     try:
         meta = json.load(open(path))
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"corrupt checkpoint metadata {path}: {e}") from None
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: unknown checkpoint format {meta.get('format')!r}, expected {FORMAT!r}")
+    meta["path"] = d
+    meta.setdefault("model_key_prefix", OLD_MODEL_KEY_PREFIX)
     return meta
 
 
+# ---------------------------------------------------------------------------------- Megatron-LM arguments
+def megatron_lm_args(args: ModelArgs, *, tp: int, pp: int, iteration: int, params_dtype: torch.dtype,
+                     consumed_train_samples: int = 0, tokenizer_model: str | None = None) -> argparse.Namespace:
+    """The ``args`` Namespace stored in ``common.pt``, with Megatron-LM's argument names and meanings.
+
+    Holds what Megatron-LM's ``load_args_from_checkpoint`` (``--use-checkpoint-args``) and
+    ``check_checkpoint_args`` read: the architecture (``num_layers``, ``hidden_size``, ``ffn_hidden_size``,
+    ``num_attention_heads``, ``group_query_attention``, ``num_query_groups``, ``kv_channels``, RoPE,
+    SwiGLU, RMSNorm, biases, tied embeddings, ``padded_vocab_size`` = embedding rows), the parallel layout
+    and the checkpoint format. The normalisation epsilon is given under both names Megatron-LM has used
+    (``norm_epsilon``, ``layernorm_epsilon``).
+    """
+    rows = args.padded_vocab_size(tp, divisible_by=1)
+    theta = int(args.rope_theta) if float(args.rope_theta).is_integer() else args.rope_theta
+    return argparse.Namespace(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.intermediate_size,
+        num_attention_heads=args.num_heads, group_query_attention=args.num_kv_heads != args.num_heads,
+        num_query_groups=args.num_kv_heads, kv_channels=args.head_dim,
+        max_position_embeddings=args.max_position_embeddings, seq_length=args.max_position_embeddings,
+        position_embedding_type="rope", add_position_embedding=False, use_rotary_position_embeddings=True,
+        rotary_base=theta, rotary_percent=1.0, rotary_interleaved=False,
+        normalization="RMSNorm", norm_epsilon=args.rms_norm_eps, layernorm_epsilon=args.rms_norm_eps,
+        apply_layernorm_1p=False, swiglu=True, squared_relu=False, add_bias_linear=False,
+        add_qkv_bias=args.qkv_bias, untie_embeddings_and_output_weights=not args.tie_word_embeddings,
+        apply_query_key_layer_scaling=False, attention_dropout=0.0, hidden_dropout=0.0,
+        padded_vocab_size=rows, make_vocab_size_divisible_by=128, num_experts=None,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1,
+        ckpt_format="torch_dist", use_dist_ckpt=True, iteration=iteration,
+        consumed_train_samples=consumed_train_samples, consumed_valid_samples=0, skipped_train_samples=0,
+        params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
+        tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer_model,
+        data_parallel_random_init=False, phase_transition_iterations=None,
+    )
+
+
+def model_args_from_megatron_lm(a, *, eos_token_ids: list[int] | None = None) -> ModelArgs:
+    """:class:`ModelArgs` from a Megatron-LM ``args`` Namespace (``common.pt``).
+
+    ``vocab_size`` is ``padded_vocab_size`` (the embedding's rows); the architecture is Qwen2 when q/k/v
+    have biases, else Llama.
+
+    Raises:
+        ValueError: a model this project does not run (not RoPE + SwiGLU + RMSNorm, linear biases, MoE,
+            learned positions), naming the argument.
+    """
+    def get(name, *old, default=None):
+        for n in (name, *old):
+            v = getattr(a, n, None)
+            if v is not None:
+                return v
+        return default
+
+    for name, want in (("position_embedding_type", "rope"), ("normalization", "RMSNorm"), ("swiglu", True)):
+        if get(name) != want:
+            raise ValueError(f"Megatron-LM checkpoint has {name}={get(name)!r}; only {want!r} is supported "
+                             "(Qwen2/Llama architectures)")
+    if get("add_bias_linear", default=False) or get("num_experts"):
+        raise ValueError("Megatron-LM checkpoint has linear biases or experts (add_bias_linear / num_experts); "
+                         "only Qwen2/Llama architectures are supported")
+    heads, hidden = int(get("num_attention_heads")), int(get("hidden_size"))
+    groups = int(get("num_query_groups")) if get("group_query_attention", default=False) else heads
+    qkv_bias = bool(get("add_qkv_bias", default=False))
+    rows = get("padded_vocab_size")
+    if rows is None:
+        raise ValueError("Megatron-LM checkpoint args give no padded_vocab_size")
+    return ModelArgs(
+        architecture="Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM",
+        vocab_size=int(rows), hidden_size=hidden, intermediate_size=int(get("ffn_hidden_size")),
+        num_layers=int(get("num_layers")), num_heads=heads, num_kv_heads=groups,
+        head_dim=int(get("kv_channels", default=hidden // heads)),
+        rms_norm_eps=float(get("norm_epsilon", "layernorm_epsilon", default=1e-5)),
+        rope_theta=float(get("rotary_base", default=10000)),
+        max_position_embeddings=int(get("max_position_embeddings", "seq_length")),
+        tie_word_embeddings=not get("untie_embeddings_and_output_weights", default=False),
+        qkv_bias=qkv_bias, eos_token_ids=list(eos_token_ids or []),
+    )
+
+
+def _meta_from_megatron_lm(d: str) -> dict:
+    from megatron.core import dist_checkpointing
+
+    try:
+        common = dist_checkpointing.load_common_state_dict(d)
+    except Exception as e:  # CheckpointingException, unpickling errors
+        raise ValueError(f"{d} has no {META} and its common.pt cannot be read ({e}); not a checkpoint of this "
+                         "project or of Megatron-LM") from None
+    a = common.get("args") if isinstance(common, dict) else None
+    if a is None:
+        raise ValueError(f"{d} has no {META} and its common.pt carries no 'args' (the model arguments "
+                         "Megatron-LM saves): cannot tell the architecture")
+    if not any(k == "model" for k in common) and any(re.fullmatch(r"model\d+", str(k)) for k in common):
+        raise ValueError(f"{d} holds virtual-pipeline model chunks (model0, model1, ...): not supported")
+    eos = []
+    tok = os.path.join(os.path.dirname(d), "tokenizer")
+    if os.path.isdir(tok):
+        from megatron_jf.hf_io import tokenizer_eos_ids
+
+        eos = tokenizer_eos_ids(tok)
+    it = common.get("iteration", 0)
+    return {
+        "format": "megatron-lm", "iteration": int(it) if it is not None else 0,
+        "release": os.path.basename(d.rstrip("/")) == RELEASE,
+        "model_args": model_args_from_megatron_lm(a, eos_token_ids=eos).to_dict(),
+        "tp": getattr(a, "tensor_model_parallel_size", 1), "pp": getattr(a, "pipeline_model_parallel_size", 1),
+        "checkpoint_version": common.get("checkpoint_version", 0), "common": {}, "path": d,
+        "model_key_prefix": MODEL_KEY_PREFIX,
+    }
+
+
+# ---------------------------------------------------------------------------------- save / load
 def _rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -87,11 +268,59 @@ def _barrier():
         dist.barrier()
 
 
+def remove_stale_tmp(ckpt_dir: str) -> list[str]:
+    """Delete the ``iter_*.tmp`` (and ``release.tmp`` / ``tokenizer.tmp``) directories a killed save left.
+
+    Complete checkpoints are never touched: only names ending in ``.tmp``, which a save renames away
+    when it finishes. Call on rank 0 only (no other process may be saving into ``ckpt_dir``).
+
+    Returns:
+        The removed paths.
+    """
+    removed = []
+    if os.path.isdir(ckpt_dir):
+        for n in sorted(os.listdir(ckpt_dir)):
+            p = os.path.join(ckpt_dir, n)
+            if _STALE.match(n) and os.path.isdir(p):
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+    return removed
+
+
+@contextlib.contextmanager
+def _sync_results_queue():
+    """Run a synchronous dist_checkpointing save without its multiprocessing manager.
+
+    megatron-core's ``FileSystemWriterAsync`` (used by the ``torch_dist`` strategy even for synchronous
+    saves) fetches a results queue from ``filesystem_async._get_write_results_queue()``, which starts a
+    spawn-context ``multiprocessing.Manager`` server process on the first save. That server does not watch
+    its parent: a ``kill -9`` of the training process left it running as an orphan (~275 MB RSS). In a
+    synchronous save the queue is only written and read by this process (the forked writer workers report
+    through their own local queue), so a plain ``queue.Queue`` is all it needs; we install one for the
+    duration of the save. No manager process, and no spawn re-import of ``__main__``.
+    """
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    except ImportError:
+        yield
+        return
+    if not hasattr(fa, "_results_queue"):
+        yield
+        return
+    prev = fa._results_queue
+    fa._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        fa._results_queue = prev
+
+
 def save_checkpoint(ckpt_dir: str, iteration: int, model, *, sharded_extra: dict | None = None,
                     common: dict | None = None, tokenizer_dir: str | None = None, keep_last: int | None = None) -> str:
     """Save ``model`` (and optional sharded optimizer state) as iteration ``iteration`` of ``ckpt_dir``.
 
-    Collective: every rank calls it.
+    Collective: every rank calls it. The model's sharded keys carry no prefix and ``common.pt`` holds
+    ``args`` / ``iteration`` / ``checkpoint_version`` (Megatron-LM's format, see the module docstring).
 
     Args:
         model: the (unwrapped or wrapped) :class:`~megatron_jf.models.gpt.JFGPTModel`; it must carry
@@ -113,26 +342,37 @@ def save_checkpoint(ckpt_dir: str, iteration: int, model, *, sharded_extra: dict
     m = unwrap(model)
     final = iter_dir(ckpt_dir, iteration)
     tmp = final + ".tmp"
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     if _rank0():
         os.makedirs(ckpt_dir, exist_ok=True)
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp)
+        remove_stale_tmp(ckpt_dir)
         os.makedirs(tmp)
         if (tokenizer_dir and not os.path.isdir(os.path.join(ckpt_dir, "tokenizer"))
                 and any(os.path.isfile(os.path.join(tokenizer_dir, n)) for n in TOKENIZER_FILES[:-1])):
             _copy_tokenizer(tokenizer_dir, os.path.join(ckpt_dir, "tokenizer"))
     _barrier()
-    state = {"model": m.sharded_state_dict(prefix="model.")}
+    dtype = next(m.parameters()).dtype
+    tok = os.path.join(os.path.abspath(ckpt_dir), "tokenizer")
+    state = {
+        "model": m.sharded_state_dict(prefix=MODEL_KEY_PREFIX),
+        "args": megatron_lm_args(m.model_args, tp=tp, pp=pp, iteration=iteration, params_dtype=dtype,
+                                 consumed_train_samples=int((common or {}).get("consumed_samples", 0) or 0),
+                                 tokenizer_model=tok if os.path.isdir(tok) else None),
+        "iteration": iteration,
+        "checkpoint_version": CHECKPOINT_VERSION,
+    }
     state.update(sharded_extra or {})
-    dist_checkpointing.save(state, tmp)
+    with _sync_results_queue():
+        dist_checkpointing.save(state, tmp)
     _barrier()
     if _rank0():
         meta = {
             "format": FORMAT,
             "iteration": iteration,
             "model_args": m.model_args.to_dict(),
-            "tp": ps.get_tensor_model_parallel_world_size(),
-            "pp": ps.get_pipeline_model_parallel_world_size(),
+            "tp": tp,
+            "pp": pp,
+            "model_key_prefix": MODEL_KEY_PREFIX,
             "common": common or {},
         }
         with open(os.path.join(tmp, META), "w") as f:
@@ -154,10 +394,11 @@ def load_checkpoint(ckpt_dir: str, model, *, iteration: int | None = None,
                     sharded_extra: dict | None = None, strict: bool = True) -> dict:
     """Load model weights (and optional extra sharded state) into ``model`` from ``ckpt_dir``.
 
-    Works across TP/PP layouts: the checkpoint is resharded to the current one.
+    Works across TP/PP layouts (the checkpoint is resharded to the current one), across layer specs
+    (local or Transformer Engine), for this project's checkpoints old and new and for Megatron-LM's.
 
     Returns:
-        ``{"meta": jf_meta, "extra": loaded extra sharded state}``.
+        ``{"meta": metadata (see read_meta), "extra": loaded extra sharded state}``.
 
     Raises:
         FileNotFoundError: no checkpoint there.
@@ -175,15 +416,12 @@ def load_checkpoint(ckpt_dir: str, model, *, iteration: int | None = None,
         if getattr(saved, field) != getattr(m.model_args, field):
             raise ValueError(f"checkpoint {ckpt_dir} has {field}={getattr(saved, field)!r} but the model has "
                              f"{getattr(m.model_args, field)!r}: checkpoint from another architecture")
-    state = {"model": m.sharded_state_dict(prefix="model.")}
+    prefix = meta["model_key_prefix"]
+    state = {"model": m.sharded_state_dict(prefix=prefix)}
     state.update(sharded_extra or {})
-    loaded = dist_checkpointing.load(state, iter_dir(ckpt_dir, meta["iteration"]))
-    m.load_state_dict({k[len("model."):]: v for k, v in _flatten_model(loaded["model"]).items()}, strict=strict)
+    loaded = dist_checkpointing.load(state, meta["path"])
+    m.load_state_dict({k[len(prefix):]: v for k, v in loaded["model"].items()}, strict=strict)
     return {"meta": meta, "extra": {k: v for k, v in loaded.items() if k != "model"}}
-
-
-def _flatten_model(sd: dict) -> dict:
-    return {k: v for k, v in sd.items()}
 
 
 def load_model(ckpt_dir: str, *, iteration: int | None = None, params_dtype: torch.dtype | None = None):
@@ -199,7 +437,7 @@ def load_model(ckpt_dir: str, *, iteration: int | None = None, params_dtype: tor
     meta = read_meta(ckpt_dir, iteration)
     args = ModelArgs.from_dict(meta["model_args"])
     model = build_model(args, params_dtype=params_dtype)
-    load_checkpoint(ckpt_dir, model, iteration=meta["iteration"], strict=False)
+    load_checkpoint(ckpt_dir, model, iteration=iteration, strict=False)
     return model.eval(), args, meta
 
 
