@@ -6,7 +6,9 @@ For each attention path (two-stream ``nc``, dense ``nc_ic``) prints on global ra
 ``PARITY <path>/<case> <loss rel diff> <max grad diff / max grad>`` for the cases ``tp2`` (loss-row head,
 chunked loss), ``tp2_sp`` (the same with ``--sequence-parallel``) and ``tp2_sp_fullrow`` (today's full-row
 head under sequence parallelism). The vocabulary (255) is padded to 256 at TP=2, so the padding column
-is exercised.
+is exercised. Then the trainer (``pretrain_jf.forward_step``, torch AdamW, clipping active) runs 3 steps at
+TP=2 with and without ``--sequence-parallel`` for each of the parallel-test configurations and prints
+``TRAIN <config> <max loss rel diff> <max grad-norm rel diff>``.
 """
 import os
 import sys
@@ -103,7 +105,50 @@ def main():
             worst = max((g[k] - g0[k]).abs().max().item() / max(g0[k].abs().max().item(), 1e-6) for k in g0)
             if dist.get_rank() == 0:
                 print(f"PARITY {path}/{case} {abs(loss - l0) / abs(l0):.3e} {worst:.3e}", flush=True)
+    train_phase(sys.argv[1])
     parallel.destroy()
+
+
+def sp_weights_provider(hf_dir):
+    """``hf_weights_provider`` of the parallel tests, building the model with the run's --sequence-parallel."""
+    from transformers import AutoModelForCausalLM
+
+    def provider(model_args, cfg):
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+        hf.config.vocab_size = model_args.vocab_size
+        return build(hf, cfg.sequence_parallel)[0]
+
+    return provider
+
+
+def train_phase(work):
+    from functools import partial
+
+    from train_fixtures import PARALLEL_CONFIGS, make_record, parallel_config, write_shards
+
+    import pretrain_jf
+    from megatron_jf.testing import save_tiny_hf
+    from megatron_jf.training.trainer import Trainer
+
+    if dist.get_rank() == 0:
+        save_tiny_hf(os.path.join(work, "hf"), "qwen2", seed=5, vocab=VOCAB, layers=2, tied=True, max_pos=128)
+        recs = [make_record(100 + i, prompt_len=4 + i % 3, block_size=4, num_blocks=3, vocab=VOCAB,
+                            last_block_len=3 if i % 4 == 1 else None) for i in range(8)]
+        write_shards(os.path.join(work, "train"), recs, per_shard=3)
+    dist.barrier()
+    for name in PARALLEL_CONFIGS:
+        hist = {}
+        for sp in (False, True):
+            cfg = parallel_config(work, name, tp=2, sequence_parallel=sp)
+            tr = Trainer(cfg, sp_weights_provider(os.path.join(work, "hf")), partial(pretrain_jf.forward_step, cfg=cfg),
+                         pretrain_jf.train_valid_datasets_provider)
+            assert tr.module.config.sequence_parallel == sp
+            hist[sp] = tr.train()
+        a, b = hist[False], hist[True]
+        dl = max(abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(a, b))
+        dg = max(abs(x["grad norm"] - y["grad norm"]) / x["grad norm"] for x, y in zip(a, b))
+        if dist.get_rank() == 0:
+            print(f"TRAIN {name} {dl:.3e} {dg:.3e} steps={len(a)}", flush=True)
 
 
 if __name__ == "__main__":
