@@ -97,6 +97,15 @@ class DecodeConfig:
             raise ValueError(f"verification size must be >= 1, got {self.verification_size}")
         if self.draft_init not in DRAFT_INITS:
             raise ValueError(f"unknown draft init {self.draft_init!r}; choose one of {', '.join(DRAFT_INITS)}")
+        if self.decoder == "mr" and self.num_blocks > 1 and math.ceil(self.spawn_threshold * self.block_size) >= self.block_size:
+            # the RA block has at most n-1 accepted tokens while in flight (it retires at n), so a pseudo-active
+            # block needs ceil(r*n) <= n-1 to ever spawn
+            import warnings
+
+            warnings.warn(f"mr with K={self.num_blocks} never spawns a second block: r={self.spawn_threshold} needs "
+                          f"ceil(r*n)={math.ceil(self.spawn_threshold * self.block_size)} stable tokens in a block of "
+                          f"n={self.block_size}, which retires at n; this runs as K=1 (use r <= "
+                          f"{(self.block_size - 1) / self.block_size:.3g})", UserWarning, stacklevel=3)
 
 
 @dataclass
