@@ -47,6 +47,14 @@ class TrainConfig:
     """megatron DDP + optimizer (GPU only); None = on iff CUDA is available."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state over DP (megatron DistributedOptimizer; GPU path only)."""
+    overlap_grad_reduce: bool = False
+    """megatron DDP: reduce (reduce-scatter with the distributed optimizer) gradient buckets during the
+    backward of the last microbatch instead of after it (GPU path)."""
+    overlap_param_gather: bool = False
+    """megatron DDP: all-gather the updated parameter shards bucket by bucket during the next forward instead
+    of at the end of the optimizer step (GPU path; needs the distributed optimizer and overlap_grad_reduce)."""
+    ddp_bucket_size: int | None = None
+    """megatron DDP gradient bucket size in parameters (None: megatron-core's default, max(4e7, 1e6 x dp))."""
     sequence_parallel: bool = False
     """Megatron-LM ``--sequence-parallel`` (tp > 1): norms and residuals run on ``S / tp`` positions per TP
     rank (activations between the TP regions split over the TP group); loss rows are gathered from the shards."""
@@ -209,6 +217,9 @@ class TrainConfig:
         need(not (self.sequence_parallel and self.anchor_data and self.anchor_seq_length % self.tp),
              f"--sequence-parallel splits rows over --tp {self.tp}: --anchor-seq-length {self.anchor_seq_length} "
              "must be a multiple of it")
+        need(not self.overlap_param_gather or (self.use_distributed_optimizer and self.overlap_grad_reduce),
+             "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (as in Megatron-LM)")
+        need(self.ddp_bucket_size is None or self.ddp_bucket_size >= 1, "--ddp-bucket-size must be >= 1")
         need(self.log_interval >= 1, "--log-interval must be >= 1")
         for name in ("save_interval", "eval_interval", "exit_interval", "keep_last", "eval_iters", "threads"):
             v = getattr(self, name)
@@ -332,6 +343,13 @@ def build_parser() -> argparse.ArgumentParser:
     opt_bool(g, "--use-megatron-optimizer", "megatron DDP + optimizer (default: on iff CUDA is available)")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard optimizer state over DP (megatron DistributedOptimizer; GPU)")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="megatron DDP: reduce gradient buckets during the backward (GPU path)")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="megatron DDP: all-gather updated parameters during the next forward (GPU path; needs "
+                        "--use-distributed-optimizer --overlap-grad-reduce)")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="megatron DDP bucket size in parameters (default: megatron-core's, max(4e7, 1e6 x dp))")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="split norms/residuals over the TP group along the sequence (needs --tp > 1)")
     g.add_argument("--precision", choices=PRECISIONS, default=d.precision,

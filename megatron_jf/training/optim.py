@@ -1,7 +1,14 @@
 """Optimisation pieces of the training loop: parameter groups, gradient clipping, DP gradient averaging.
 
 The CPU path (torch AdamW) uses these directly; the GPU path uses megatron-core's optimizer, DDP and
-``finalize_model_grads``.
+``finalize_model_grads``, configured here (:func:`megatron_ddp_config`, :func:`megatron_optimizer_config`).
+
+Both paths group parameters by the one rule :func:`no_weight_decay` (Megatron-LM's default: no weight decay on
+biases and 1-D parameters, i.e. the RMSNorm weights): the torch path through :func:`param_groups`, the megatron
+path through the same predicate passed to ``get_megatron_optimizer`` as a ``wd_mult = 0`` override
+(:func:`megatron_config_overrides`), and :func:`set_lr_and_weight_decay` applies ``lr`` and
+``weight_decay x wd_mult`` to every group before each step, as Megatron-LM's ``OptimizerParamScheduler`` does
+(megatron-core's groups only carry ``wd_mult``; torch's Adam reads ``weight_decay``).
 """
 
 from __future__ import annotations
@@ -11,18 +18,72 @@ import torch.distributed as dist
 
 from megatron_jf import platform
 
-__all__ = ["param_groups", "clip_grad_norm_tp", "all_reduce_grads", "allreduce_sequence_parallel_grads"]
+__all__ = ["no_weight_decay", "param_groups", "megatron_config_overrides", "set_lr_and_weight_decay",
+           "effective_weight_decay", "megatron_ddp_config", "megatron_optimizer_config", "clip_grad_norm_tp", "all_reduce_grads", "allreduce_sequence_parallel_grads"]
+
+
+def no_weight_decay(name: str, param: torch.Tensor) -> bool:
+    """True for parameters trained without weight decay: biases and 1-D (or 0-D) tensors such as norm weights
+    (Megatron-LM's default grouping)."""
+    return param.dim() < 2 or name.endswith(".bias")
 
 
 def param_groups(module, weight_decay: float) -> list[dict]:
-    """torch optimizer parameter groups: ``weight_decay`` on matrices, none on biases and norm weights (1-D)."""
+    """torch optimizer parameter groups by :func:`no_weight_decay`: ``weight_decay`` on matrices, 0 on the rest.
+    Each group also carries ``wd_mult`` (1 / 0), as megatron-core's groups do."""
     decay, no_decay = [], []
     for name, p in module.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.dim() < 2 or name.endswith(".bias") else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+        (no_decay if no_weight_decay(name, p) else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0},
+            {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}]
+
+
+def megatron_config_overrides() -> dict:
+    """``config_overrides`` for ``get_megatron_optimizer``: ``wd_mult = 0`` on the :func:`no_weight_decay`
+    parameters (and nothing else overridden)."""
+    from megatron.core.optimizer.optimizer_config import ParamKey, ParamWithNamePredicate
+    from megatron.core.optimizer_param_scheduler import ParamGroupOverride
+
+    pred = ParamWithNamePredicate(name="jf_no_weight_decay", fn=lambda param, name: no_weight_decay(name, param))
+    return {ParamKey(with_name_predicate=pred): ParamGroupOverride(wd_mult=0.0)}
+
+
+def set_lr_and_weight_decay(groups, lr: float, weight_decay: float) -> None:
+    """Set ``lr x lr_mult`` and ``weight_decay x wd_mult`` on every optimizer param group (either path)."""
+    for g in groups:
+        g["lr"] = lr * g.get("lr_mult", 1.0)
+        g["weight_decay"] = weight_decay * g.get("wd_mult", 1.0)
+
+
+def effective_weight_decay(groups, module) -> dict[str, float]:
+    """``{parameter name: weight decay its optimizer group applies}`` (for tests and logs)."""
+    by_id = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
+    return {n: by_id[id(p)] for n, p in module.named_parameters() if id(p) in by_id}
+
+
+def megatron_ddp_config(cfg):
+    """megatron-core ``DistributedDataParallelConfig`` of a run (GPU path): fp32 gradient reduction,
+    ``--overlap-grad-reduce``, ``--overlap-param-gather``, ``--use-distributed-optimizer``, ``--ddp-bucket-size``."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.overlap_grad_reduce,
+                                         overlap_param_gather=cfg.overlap_param_gather,
+                                         use_distributed_optimizer=cfg.use_distributed_optimizer,
+                                         bucket_size=cfg.ddp_bucket_size)
+
+
+def megatron_optimizer_config(cfg, dtype: torch.dtype):
+    """megatron-core ``OptimizerConfig`` of a run (GPU path): AdamW (decoupled decay) with the run's
+    hyper-parameters, bf16 with fp32 main weights when ``dtype`` is bf16."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+                           adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
+                           clip_grad=cfg.clip_grad, bf16=dtype == torch.bfloat16, params_dtype=dtype,
+                           use_distributed_optimizer=cfg.use_distributed_optimizer,
+                           overlap_param_gather=cfg.overlap_param_gather)
 
 
 def clip_grad_norm_tp(params, max_norm: float) -> float:

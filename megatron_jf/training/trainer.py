@@ -27,8 +27,12 @@ Optimizers (``--use-megatron-optimizer``, automatic: on with CUDA, off without)
       tensor-parallel aware: squares of TP-sharded parameters are summed over the model-parallel group,
       replicated parameters (RMSNorm weights) and the pipeline-tied output embedding are counted once.
     * **GPU path**: megatron-core ``DistributedDataParallel`` + ``get_megatron_optimizer`` (bf16 with fp32
-      main weights, optional ``--use-distributed-optimizer``), megatron's ``finalize_model_grads``.
-      Not exercised by the CPU test-suite.
+      main weights, optional ``--use-distributed-optimizer``), megatron's ``finalize_model_grads``;
+      ``--overlap-grad-reduce`` / ``--overlap-param-gather`` / ``--ddp-bucket-size`` configure megatron's DDP
+      (:func:`~megatron_jf.training.optim.megatron_ddp_config`). Not exercised by the CPU test-suite.
+    * Both paths use one parameter grouping (no weight decay on biases and norm weights, Megatron-LM's default)
+      and set ``lr`` and ``weight_decay x wd_mult`` on every group before each step
+      (:mod:`megatron_jf.training.optim`).
 
 Checkpoints (:mod:`megatron_jf.checkpointing`, atomic)
     model + optimizer state (sharded; reshardable across TP/PP on the CPU path) + per-rank RNG states
@@ -52,6 +56,7 @@ Anchor term (``--anchor-data``/``--anchor-weight``, JF objective only)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -79,7 +84,15 @@ from megatron_jf.training.config import (  # noqa: F401  (re-exported: the CLI a
     parse_config,
 )
 from megatron_jf.training.losses import ANCHOR_METRIC, METRIC_KEYS
-from megatron_jf.training.optim import all_reduce_grads, clip_grad_norm_tp, param_groups
+from megatron_jf.training.optim import (
+    all_reduce_grads,
+    clip_grad_norm_tp,
+    megatron_config_overrides,
+    megatron_ddp_config,
+    megatron_optimizer_config,
+    param_groups,
+    set_lr_and_weight_decay,
+)
 from megatron_jf.training.streams import AnchoredStream, DatasetSpec, MicrobatchStream, eval_batches
 
 __all__ = [
@@ -134,6 +147,10 @@ class Trainer:
                              "without a GPU the trainer uses torch AdamW")
         if cfg.use_distributed_optimizer and not self.use_mopt:
             raise ValueError("--use-distributed-optimizer needs the megatron optimizer (GPU)")
+        if (cfg.overlap_grad_reduce or cfg.overlap_param_gather or cfg.ddp_bucket_size) and not self.use_mopt:
+            raise ValueError("--overlap-grad-reduce/--overlap-param-gather/--ddp-bucket-size configure megatron's DDP "
+                             "(GPU path, --use-megatron-optimizer); the CPU path's torch DDP always overlaps its "
+                             "bucketed all-reduce with the backward")
         prec = cfg.precision
         if prec == "auto":
             prec = "bf16" if (self.gpu and self.use_mopt) else "fp32"
@@ -266,13 +283,9 @@ class Trainer:
         cfg = self.cfg
         self.torch_ddp = False
         if self.use_mopt:
-            from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+            from megatron.core.distributed import DistributedDataParallel
 
-            ddp = DistributedDataParallel(
-                config=model.config,
-                ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                         use_distributed_optimizer=cfg.use_distributed_optimizer),
-                module=model)
+            ddp = DistributedDataParallel(config=model.config, ddp_config=megatron_ddp_config(cfg), module=model)
             model.config.no_sync_func = ddp.no_sync
             return ddp
         model.config.no_sync_func = None
@@ -288,15 +301,15 @@ class Trainer:
     def _build_optimizer(self):
         cfg = self.cfg
         if self.use_mopt:
-            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+            from megatron.core.optimizer import get_megatron_optimizer
 
-            ocfg = OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
-                                   adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
-                                   clip_grad=cfg.clip_grad, bf16=self.dtype == torch.bfloat16,
-                                   params_dtype=self.dtype, use_distributed_optimizer=cfg.use_distributed_optimizer)
-            return get_megatron_optimizer(ocfg, [self.model])
-        return torch.optim.AdamW(param_groups(self.module, cfg.weight_decay), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                 eps=cfg.adam_eps)
+            opt = get_megatron_optimizer(megatron_optimizer_config(cfg, self.dtype), [self.model],
+                                         config_overrides=megatron_config_overrides())
+        else:
+            opt = torch.optim.AdamW(param_groups(self.module, cfg.weight_decay), lr=cfg.lr,
+                                    betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+        set_lr_and_weight_decay(opt.param_groups, cfg.lr, cfg.weight_decay)
+        return opt
 
     def _params(self):
         return [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -366,13 +379,28 @@ class Trainer:
         """Checkpoint the current iteration into ``--save`` (collective)."""
         from megatron_jf import checkpointing
 
-        extra = {"optimizer": self._optimizer_sharded(False), "rng": self._rng_sharded()}
-        path = checkpointing.save_checkpoint(self.cfg.save, self.iteration, self.module, sharded_extra=extra,
-                                             common=self._common(), keep_last=self.cfg.keep_last,
-                                             tokenizer_dir=self._tokenizer_source())
+        with self._params_gathered():
+            extra = {"optimizer": self._optimizer_sharded(False), "rng": self._rng_sharded()}
+            path = checkpointing.save_checkpoint(self.cfg.save, self.iteration, self.module, sharded_extra=extra,
+                                                 common=self._common(), keep_last=self.cfg.keep_last,
+                                                 tokenizer_dir=self._tokenizer_source())
         self._last_saved = self.iteration
         self._print(f"saved checkpoint {path}")
         return path
+
+    @contextlib.contextmanager
+    def _params_gathered(self):
+        """With ``--overlap-param-gather`` the optimizer step leaves the all-gather of the updated parameters to
+        the next forward's pre-hooks; finish it (and pause the hooks) while the weights are saved, as
+        Megatron-LM does around checkpoints."""
+        if not (self.use_mopt and self.cfg.overlap_param_gather):
+            yield
+            return
+        self.model.disable_forward_pre_hook(param_sync=True)
+        try:
+            yield
+        finally:
+            self.model.enable_forward_pre_hook()
 
     def _tokenizer_source(self) -> str | None:
         """The tokenizer directory the saved checkpoint should carry, so generate/evaluate/serve/collect work on
@@ -474,8 +502,7 @@ class Trainer:
         tok0 = self.train_iter.tokens
         reports = self._run_schedule(self.train_iter, self.num_micro, forward_only=False)
         lr = lr_at(self.iteration + 1, self.cfg)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
+        set_lr_and_weight_decay(self.optimizer.param_groups, lr, self.cfg.weight_decay)
         if self.use_mopt:
             ok, grad_norm, _ = self.optimizer.step()
             grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
