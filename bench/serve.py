@@ -1,21 +1,25 @@
 #!/usr/bin/env python
-"""Bounded serving load test on loopback: throughput and latency of AR vs MR, 1 vs N concurrent clients.
+"""Bounded serving load test on loopback: same-config vs mixed-config traffic, 1 / 8 / 32 clients.
 
 Starts ``tools/run_text_generation_server.py`` as a subprocess on 127.0.0.1 (a free port) for a
 checkpoint (default: the tiny test checkpoint of :mod:`megatron_jf.server.tiny`, built once under
-``--work``), then for each decoder and each client count sends ``--requests-per-client`` greedy
-``/v1/completions`` requests per client (closed loop: each client waits for its answer before the next)
-and reports:
+``--work``). For each *mix* and each client count, every client sends ``--requests-per-client`` greedy
+``/v1/completions`` requests (closed loop: each waits for its answer before the next). Mixes:
 
-* ``tok_s``: aggregate generated tokens / wall seconds of the run;
-* ``p50_s`` / ``p95_s``: per-request latency (seconds);
-* ``tpf``: mean tokens per forward (from the responses' ``jf`` stats), ``batch``: mean batch size;
-* ``speedup``: ``tok_s`` of N clients / ``tok_s`` of 1 client (target >= 3 for N = 8).
+* one per decoder of ``--decoders`` (every client uses that decoder: "same config");
+* ``mixed``: client ``i`` uses decoder ``i mod len(decoders)``, so the server batches different decoder
+  configs together (continuous batching across configs).
+
+Reported per run: ``tok_s`` (aggregate generated tokens / wall seconds), ``p50_s`` / ``p95_s``
+(per-request latency), ``tpf`` (mean tokens per forward), ``batch`` (mean rows in the engine step that
+finished a request), ``speedup`` (``tok_s`` / the same mix's 1-client ``tok_s``). The summary compares
+``mixed`` with the same-config runs at each client count: ``mixed / mean(same)`` (target >= 0.8 at 32
+clients -- the mean over the mixed decoders is what serving each decoder's share alone would give).
 
 Example::
 
-    python bench/serve.py                       # tiny model, AR and MR, 1 and 8 clients
-    python bench/serve.py --ckpt CKPT --max-tokens 128 --clients 1 8 --json out.json
+    python bench/serve.py                                  # tiny model, 4 decoders, 1 / 8 / 32 clients
+    python bench/serve.py --ckpt CKPT --max-tokens 128 --clients 1 8 32 --json out.json
 """
 
 from __future__ import annotations
@@ -47,8 +51,10 @@ def _pct(xs, q):
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def run_load(url: str, jf: dict, clients: int, per_client: int, max_tokens: int, timeout_s: float) -> dict:
-    """Closed-loop load: ``clients`` threads each send ``per_client`` requests. Returns the stats dict.
+def run_load(url: str, jfs: list[dict], clients: int, per_client: int, max_tokens: int, timeout_s: float,
+             mix: str) -> dict:
+    """Closed-loop load: ``clients`` threads each send ``per_client`` requests, client ``i`` with decode
+    config ``jfs[i % len(jfs)]``. Returns the stats dict.
 
     Raises:
         RuntimeError: a request failed (non-200) -- the message has the server's error.
@@ -62,7 +68,7 @@ def run_load(url: str, jf: dict, clients: int, per_client: int, max_tokens: int,
         with httpx.Client(base_url=url, timeout=timeout_s) as c:
             for k in range(per_client):
                 body = {"prompt": f"{PROMPTS[(ci + k) % len(PROMPTS)]} {ci}-{k}", "max_tokens": max_tokens,
-                        "temperature": 0, "jf": jf}
+                        "temperature": 0, "jf": jfs[ci % len(jfs)]}
                 t0 = time.perf_counter()
                 r = c.post("/v1/completions", json=body)
                 dt = time.perf_counter() - t0
@@ -85,7 +91,7 @@ def run_load(url: str, jf: dict, clients: int, per_client: int, max_tokens: int,
     wall = time.perf_counter() - t0
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed, e.g. {errors[0][:500]}")
-    return {"decoder": jf["decoder"], "clients": clients, "requests": len(lat), "tokens": sum(toks),
+    return {"mix": mix, "clients": clients, "requests": len(lat), "tokens": sum(toks),
             "wall_s": round(wall, 3), "tok_s": round(sum(toks) / wall, 1), "p50_s": round(_pct(lat, 0.5), 3),
             "p95_s": round(_pct(lat, 0.95), 3), "tpf": round(statistics.mean(tpf), 3),
             "batch": round(statistics.mean(bsz), 2)}
@@ -95,9 +101,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", default=None, help="checkpoint (default: build the tiny test checkpoint)")
     p.add_argument("--work", default="/tmp/jf_bench_serve", help="where the tiny checkpoint is built")
-    p.add_argument("--decoders", nargs="+", default=["ar", "mr"])
+    p.add_argument("--decoders", nargs="+", default=["ar", "jacobi", "running-window", "mr"],
+                   help="decoders of the same-config runs; the mixed run cycles through them")
     p.add_argument("--block-size", type=int, default=8, help="n for jacobi/running-window/mr")
-    p.add_argument("--clients", nargs="+", type=int, default=[1, 8])
+    p.add_argument("--clients", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--requests-per-client", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--timeout", type=float, default=120.0, help="per-request timeout (s)")
@@ -135,12 +142,13 @@ def main(argv=None) -> int:
             if time.time() - t0 > 180:
                 raise SystemExit("server did not come up in 180 s")
             time.sleep(0.3)
-        for dec in args.decoders:
-            jf = {"decoder": dec} if dec == "ar" else {"decoder": dec, "block_size": args.block_size}
-            run_load(url, jf, 1, 1, args.max_tokens, args.timeout)  # warm-up
+        cfgs = [{"decoder": d} if d == "ar" else {"decoder": d, "block_size": args.block_size} for d in args.decoders]
+        mixes = [(d, [jf]) for d, jf in zip(args.decoders, cfgs)] + [("mixed", cfgs)]
+        run_load(url, cfgs, len(cfgs), 1, args.max_tokens, args.timeout, "warm-up")
+        for mix, jfs in mixes:
             base = None
             for n in args.clients:
-                r = run_load(url, jf, n, args.requests_per_client, args.max_tokens, args.timeout)
+                r = run_load(url, jfs, n, args.requests_per_client, args.max_tokens, args.timeout, mix)
                 base = base or r["tok_s"]
                 r["speedup"] = round(r["tok_s"] / base, 2)
                 results.append(r)
@@ -151,14 +159,28 @@ def main(argv=None) -> int:
             proc.wait(20)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-    print(f"\n{'decoder':8} {'clients':>7} {'reqs':>5} {'tok/s':>8} {'p50 s':>7} {'p95 s':>7} {'TPF':>6} "
+    print(f"\n{'mix':15} {'clients':>7} {'reqs':>5} {'tok/s':>8} {'p50 s':>7} {'p95 s':>7} {'TPF':>6} "
           f"{'batch':>6} {'speedup':>7}")
     for r in results:
-        print(f"{r['decoder']:8} {r['clients']:7d} {r['requests']:5d} {r['tok_s']:8.1f} {r['p50_s']:7.3f} "
+        print(f"{r['mix']:15} {r['clients']:7d} {r['requests']:5d} {r['tok_s']:8.1f} {r['p50_s']:7.3f} "
               f"{r['p95_s']:7.3f} {r['tpf']:6.2f} {r['batch']:6.2f} {r['speedup']:7.2f}")
+    summary = []
+    for n in args.clients:
+        same = [r["tok_s"] for r in results if r["clients"] == n and r["mix"] != "mixed"]
+        mixed = [r["tok_s"] for r in results if r["clients"] == n and r["mix"] == "mixed"]
+        if same and mixed:
+            mean = sum(same) / len(same)
+            summary.append({"clients": n, "mixed_tok_s": mixed[0], "same_mean_tok_s": round(mean, 1),
+                            "mixed_over_same_mean": round(mixed[0] / mean, 3),
+                            "mixed_over_same_best": round(mixed[0] / max(same), 3)})
+            print(f"{n:3d} clients: mixed {mixed[0]:.1f} tok/s = {mixed[0] / mean:.2f} x mean same-config "
+                  f"({mean:.1f}), {mixed[0] / max(same):.2f} x best same-config ({max(same):.1f})")
+    results.append({"summary": summary})
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+        sys.path.insert(0, REPO)
+        from megatron_jf.fileio import atomic_write_json
+
+        atomic_write_json(args.json, results, indent=2)
     return 0
 
 
