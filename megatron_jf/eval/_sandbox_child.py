@@ -1,21 +1,31 @@
 """Child side of the code-execution sandbox (see :mod:`megatron_jf.eval.code_exec`).
 
-This file is never imported by the evaluator. Its source is passed to ``python -I -B -c`` in a fresh temporary
-directory (the child's cwd). Protocol:
+This file is never imported by the evaluator. Its source, after the source of ``_wire.py`` (the value codec),
+is passed to ``python -I -B -c``; with OS isolation (:mod:`megatron_jf.eval.sandbox`) that interpreter runs inside
+bubblewrap namespaces as an unprivileged uid, with a private ``/tmp`` (cwd ``/tmp/jf_work``) as its only writable
+place. Protocol: the first line on stdin is a JSON object ``{"mode", "nonce", "workdir", "program", "limits":
+{"as", "cpu", "fsize", "nproc"}, "guard"}``; the child installs resource limits and (unless ``guard`` is false) an
+audit hook, then ``exec``s ``program`` with ``__name__`` set to ``"__jf_solution__"`` (so ``if __name__ ==
+"__main__":`` blocks do not run), with stdin/stdout on ``/dev/null``.
+Replies go to a private duplicate of the original stdout, one JSON line each.
 
-* stdin: one JSON object ``{"nonce", "workdir", "program", "limits": {"as", "cpu", "fsize", "nproc"}}``.
-* the child installs resource limits and an audit hook, then ``exec``s ``program`` with ``__name__`` set to
-  ``"__jf_solution__"`` (so ``if __name__ == "__main__":`` blocks do not run), with stdin/stdout on ``/dev/null``.
-* the result is one JSON line ``{"nonce", "status", "message"}`` written to a private duplicate of the original
-  stdout, after which the child leaves with ``os._exit(0)`` (user ``atexit`` handlers do not run).
+* ``mode="program"`` (a whole test program, for problems whose check cannot be split, and :func:`run_program`):
+  one result line ``{"nonce", "status", "message"}``, then ``os._exit(0)``. The program runs in this same
+  process, so this verdict is only as good as the audit hook; the split mode below does not rely on it.
+* ``mode="serve"`` (split verdict, :mod:`megatron_jf.eval.verdict`): after ``exec`` the child answers
+  ``{"ready": true}`` (or ``{"ready": false, "status", "message"}``), then serves calls: each further stdin line
+  ``{"call": name, "args": [...], "kwargs": [[k, v], ...]}`` (values encoded by ``_wire.encode``) is answered with
+  ``{"ok": value, "after": [arg after the call or null, ...]}`` or ``{"raise": [type, message, where]}``. The
+  child never sees expected outputs; the comparison happens in the trusted evaluator. EOF ends the child.
 
-Guard (``sys.addaudithook``; hooks cannot be removed once added): opening a file for writing, and
-remove/rename/mkdir/rmdir/chmod/chown/link/symlink/truncate/utime/``shutil.rmtree``/``shutil.copyfile``/... on a
+Guard (``sys.addaudithook``; hooks cannot be removed once added, but code in the same process can defeat it, e.g.
+through ``gc.get_objects()`` or frames, so it is defence in depth, not the boundary): opening a file for writing,
+and remove/rename/mkdir/rmdir/chmod/chown/link/symlink/truncate/utime/``shutil.rmtree``/``shutil.copyfile``/... on a
 path that resolves outside the temp dir raise ``PermissionError``; process creation (``os.system``,
 ``subprocess.Popen``, ``os.fork``, ``os.exec*``, ``os.spawn*``, ``os.posix_spawn``), ``os.kill``, sockets
-(connect/bind/send), SQLite files outside the temp dir, foreign calls through ``ctypes``, and changing resource limits are refused everywhere. Every
-refusal is recorded: a program that triggered one is reported as ``status="error"`` even if it caught the
-exception.
+(connect/bind/send), SQLite files outside the temp dir, foreign calls through ``ctypes``, and changing resource
+limits are refused everywhere. Every refusal is recorded: in program mode a program that triggered one is reported
+as ``status="error"`` even if it caught the exception.
 """
 
 import builtins
@@ -183,9 +193,65 @@ def _describe(exc, program_name):
     return (f"{name}: {text}" if text else name)[:500] + where
 
 
+def _write_line(fd, obj):
+    try:
+        line = json.dumps(obj) + "\n"
+    except Exception:  # noqa: BLE001
+        line = json.dumps({"raise": ["WireError", "unserialisable reply", ""]}) + "\n"
+    data = line.encode("utf-8", "replace")
+    while data:
+        n = os.write(fd, data)
+        data = data[n:]
+
+
+def _read_line(f):
+    raw = f.readline()
+    if not raw:
+        return None
+    return json.loads(raw.decode("utf-8"))
+
+
+_MUTABLE = (list, dict, set, bytearray)
+
+
+def _serve(glb, req_f, result_fd, program_name):
+    """Answer call requests until EOF (see the module docstring)."""
+    while True:
+        try:
+            req = _read_line(req_f)
+        except ValueError:
+            os._exit(3)
+        if req is None:
+            os._exit(0)
+        try:
+            args = [glb.get(a[1]) if isinstance(a, list) and len(a) == 2 and a[0] == "ref" else decode(a)
+                    for a in req.get("args", [])]
+            kwargs = {str(k): decode(v) for k, v in req.get("kwargs", [])}
+        except Exception as e:  # noqa: BLE001
+            _write_line(result_fd, {"raise": ["WireError", str(e)[:500], ""]})
+            continue
+        name = req.get("call")
+        fn = glb.get(name) if isinstance(name, str) else None
+        if fn is None:
+            _write_line(result_fd, {"raise": ["NameError", f"name {name!r} is not defined by the solution", ""]})
+            continue
+        try:
+            value = fn(*args, **kwargs)
+            reply = {"ok": encode(value),
+                     "after": [encode(a) if isinstance(a, _MUTABLE) else None for a in args]}
+        except SystemExit as e:
+            reply = {"raise": ["SystemExit", f"the solution called exit({e.code!r})", ""]}
+        except BaseException as e:  # noqa: BLE001 - every failure is reported to the verifier
+            where = _describe(e, program_name)
+            reply = {"raise": [type(e).__name__, str(e)[:500], where[:700]]}
+        _write_line(result_fd, reply)
+
+
 def main():
-    payload = json.loads(sys.stdin.buffer.read().decode("utf-8"))
-    nonce = payload["nonce"]
+    req_f = os.fdopen(os.dup(0), "rb", buffering=0)
+    payload = json.loads(req_f.readline().decode("utf-8"))
+    mode = payload.get("mode", "program")
+    nonce = payload.get("nonce", "")
     workdir = os.path.realpath(payload["workdir"])
     program = payload["program"]
     limits = payload.get("limits", {})
@@ -209,38 +275,37 @@ def main():
 
     violations = []
     _set_limits(limits)
-    _install_guard(workdir, violations)
+    if payload.get("guard", True):
+        _install_guard(workdir, violations)
 
     status, message = "passed", ""
+    glb = {"__name__": "__jf_solution__", "__builtins__": builtins}
     if code is None:
         status, message = "failed", compile_error
     else:
-        glb = {"__name__": "__jf_solution__", "__builtins__": builtins}
         try:
             exec(code, glb)
         except SystemExit as e:
             status, message = "failed", f"program called exit({e.code!r}) before the tests finished"
         except MemoryError as e:
             status, message = "error", "MemoryError (memory limit reached)" + (f": {e}" if str(e) else "")
-        except RecursionError as e:
-            status, message = "failed", _describe(e, program_name)
         except BaseException as e:  # noqa: BLE001 - the child reports every failure
             status, message = "failed", _describe(e, program_name)
-        try:  # free what the program allocated before formatting the result (matters after a MemoryError)
-            glb.clear()
-        except BaseException:  # noqa: BLE001
-            pass
+    if mode == "serve":
+        if status != "passed":
+            _write_line(result_fd, {"ready": False, "status": status, "message": message[:2000]})
+            os._exit(0)
+        _write_line(result_fd, {"ready": True})
+        _serve(glb, req_f, result_fd, program_name)
+        os._exit(0)
+    try:  # free what the program allocated before formatting the result (matters after a MemoryError)
+        glb.clear()
+    except BaseException:  # noqa: BLE001
+        pass
     if violations:
         status = "error"
         message = "sandbox violation: " + "; ".join(violations[:3]) + (f" | {message}" if message else "")
-    try:
-        line = json.dumps({"nonce": nonce, "status": status, "message": message[:2000]}) + "\n"
-    except Exception:  # noqa: BLE001
-        line = json.dumps({"nonce": nonce, "status": "error", "message": "unserialisable result"}) + "\n"
-    data = line.encode("utf-8", "replace")
-    while data:
-        n = os.write(result_fd, data)
-        data = data[n:]
+    _write_line(result_fd, {"nonce": nonce, "status": status, "message": message[:2000]})
     os._exit(0)
 
 

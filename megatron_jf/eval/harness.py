@@ -39,8 +39,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from .benchmarks import BENCHMARKS, load_benchmark
+from .benchmarks import BENCHMARKS, CODE_BENCHMARKS, load_benchmark
+from .degenerate import degeneracy_from_stats, token_stats
+from .math_grading import DEFAULT_SYMBOLIC_CPU_S
 from .prompts import prompt_info, render_prompt, stop_sequences
+from .sandbox import ISOLATIONS, SandboxUnavailable, check_isolation
 from .scoring import ResultsWriter, aggregate, make_record, score_many
 
 __all__ = [
@@ -159,7 +162,7 @@ def load_for_inference(ckpt_dir: str, *, tokenizer: Optional[str] = None, tp: in
     from megatron_jf import parallel
     from megatron_jf.checkpointing import latest_iteration, load_model, tokenizer_path
     from megatron_jf.inference.engine import Engine
-    from megatron_jf.tokenizer import load_tokenizer
+    from megatron_jf.tokenizer import load_tokenizer, stop_token_ids
 
     ckpt_dir = os.path.abspath(ckpt_dir)
     if not os.path.isdir(ckpt_dir):
@@ -181,7 +184,7 @@ def load_for_inference(ckpt_dir: str, *, tokenizer: Optional[str] = None, tp: in
     parallel.set_seed(seed)
     model, args, meta = load_model(ckpt_dir)
     tok = load_tokenizer(tok_dir)
-    eos = frozenset(tok.eos_ids) | frozenset(getattr(args, "eos_token_ids", None) or [])
+    eos = stop_token_ids(tok, args, ckpt_dir)  # the one stop set (also the server's)
     return LoadedModel(Engine(model), tok, eos, meta, ckpt_dir)
 
 
@@ -213,6 +216,9 @@ class EvalConfig:
         seed: RNG seed (draft initialisation).
         strict_lossless: raise :class:`LosslessViolation` at the end if AR and the decoder disagree.
         score_timeout_s: sandbox limit per program, seconds.
+        math_cpu_s: CPU-time limit of each symbolic step of math grading, CPU seconds (a timeout is *ungraded*).
+        isolation: ``"os"`` (bubblewrap namespaces; refuses to run generated code where they do not work) or
+            ``"none"`` (``--unisolated``: no OS isolation, flagged in the summary and the table).
         warmup: run one short untimed generate per method first (so one-off costs do not skew the speedup).
         progress: show a tqdm progress bar.
     """
@@ -234,6 +240,8 @@ class EvalConfig:
     seed: int = 1234
     strict_lossless: bool = True
     score_timeout_s: float = 10.0
+    math_cpu_s: float = DEFAULT_SYMBOLIC_CPU_S
+    isolation: str = "os"
     warmup: bool = True
     progress: bool = True
 
@@ -259,6 +267,10 @@ class EvalConfig:
                 raise HarnessError(f"{name} must be an int >= 1, got {v!r}")
         if self.limit is not None and (not isinstance(self.limit, int) or self.limit < 0):
             raise HarnessError(f"limit must be an int >= 0, got {self.limit!r}")
+        if self.isolation not in ISOLATIONS:
+            raise HarnessError(f"isolation must be one of {ISOLATIONS}, got {self.isolation!r}")
+        if not (self.math_cpu_s > 0):
+            raise HarnessError(f"math CPU-time limit must be > 0 s, got {self.math_cpu_s!r}")
 
     @property
     def stem(self) -> str:
@@ -281,7 +293,7 @@ def _gen_stats(res, wall_s: float) -> dict[str, Any]:
     return {
         "new_tokens": len(res.tokens), "forwards": res.forwards, "finish_reason": res.finish_reason,
         "prefill_s": res.prefill_s, "decode_s": res.decode_s, "latency_s": res.prefill_s + res.decode_s,
-        "wall_s": wall_s, "tpf": res.tpf,
+        "wall_s": wall_s, "tpf": res.tpf, "token_stats": token_stats(res.tokens),
     }
 
 
@@ -292,13 +304,14 @@ def _timed_generate(engine, ids, dec_cfg, cfg: EvalConfig, eos, stops, detok):
     return out, time.perf_counter() - t0
 
 
-def _method_summary(stats: list[dict], scores: list[bool]) -> dict[str, Any]:
+def _method_summary(stats: list[dict], scores: list[bool], statuses: Sequence[str] = ()) -> dict[str, Any]:
     tok = sum(s["new_tokens"] for s in stats)
     fwd = sum(s["forwards"] for s in stats)
     dec = sum(s["decode_s"] for s in stats)
     e2e = sum(s["latency_s"] for s in stats)
     lat = [s["latency_s"] for s in stats]
     n = len(stats)
+    graded = n - sum(1 for st in statuses if st == "ungraded")  # a grading timeout is neither right nor wrong
     return {
         "n": n, "new_tokens": tok, "forwards": fwd,
         "tpf": tok / fwd if fwd else float("nan"),
@@ -306,7 +319,9 @@ def _method_summary(stats: list[dict], scores: list[bool]) -> dict[str, Any]:
         "tps_e2e": tok / e2e if e2e > 0 else float("nan"),
         "latency_p50_s": percentile(lat, 50), "latency_p95_s": percentile(lat, 95),
         "wall_s": sum(s["wall_s"] for s in stats), "decode_s": dec,
-        "correct": sum(bool(c) for c in scores), "accuracy": (sum(bool(c) for c in scores) / n) if n else float("nan"),
+        "correct": sum(bool(c) for c in scores), "accuracy": (sum(bool(c) for c in scores) / graded) if graded
+        else float("nan"), "ungraded": n - graded,
+        "degeneracy": degeneracy_from_stats(s.get("token_stats") for s in stats),
     }
 
 
@@ -318,8 +333,10 @@ def summarize_records(records: Sequence[dict]) -> dict[str, Any]:
         where each method block has ``tpf``, ``tps_decode``, ``tps_e2e``, ``latency_p50_s``, ``latency_p95_s``,
         ``wall_s``, ``accuracy`` (fraction), ``correct``, ``n``, ``new_tokens``, ``forwards``.
     """
-    ar = _method_summary([r["ar"] for r in records], [r["ar"]["correct"] for r in records])
-    dec = _method_summary([r["gen"] for r in records], [r["correct"] for r in records])
+    ar = _method_summary([r["ar"] for r in records], [r["ar"]["correct"] for r in records],
+                         [r["ar"].get("status", "") for r in records])
+    dec = _method_summary([r["gen"] for r in records], [r["correct"] for r in records],
+                          [r.get("status", "") for r in records])
     mism = [r["task_id"] for r in records if not r["lossless"]]
     return {
         "n": len(records), "ar": ar, "decoder": dec,
@@ -331,8 +348,10 @@ def summarize_records(records: Sequence[dict]) -> dict[str, Any]:
 def markdown_table(task: str, method: str, summary: dict[str, Any]) -> str:
     """Paper-format table (Tables 1-3): ``| Task | Method | Speedup | TPF | TPS | Acc |``; AR row first.
 
-    TPS is decode-only tokens/s; Acc is percent (pass@1 for code). A footer line adds end-to-end TPS, latency
-    percentiles and the lossless check.
+    TPS is decode-only tokens/s; Acc is percent (pass@1 for code, over graded samples). Warning rows follow the
+    method rows: degenerate output (:mod:`megatron_jf.eval.degenerate`; TPF and speedup not meaningful), code run
+    without OS isolation, ungraded math samples. A footer line adds end-to-end TPS, latency percentiles and the
+    lossless check.
     """
     ar, dec = summary["ar"], summary["decoder"]
 
@@ -343,6 +362,18 @@ def markdown_table(task: str, method: str, summary: dict[str, Any]) -> str:
     lines = ["| Task | Method | Speedup | TPF | TPS | Acc |", "|---|---|---|---|---|---|", row("AR", ar, 1.0)]
     if method != "AR":
         lines.append(row(method, dec, summary["speedup"]))
+    for name, m in [("AR", ar)] + ([(method, dec)] if method != "AR" else []):
+        w = (m.get("degeneracy") or {}).get("warning")
+        if w:
+            lines.append(f"| {task} | {name} | ⚠ | ⚠ | | {w} |")
+    if summary.get("isolation") == "none" or any(a.get("unisolated") for a in
+                                                 (summary.get("accuracy_by_benchmark") or {}).values()):
+        lines.append(f"| {task} | {method} | | | | ⚠ UNISOLATED: generated code ran WITHOUT OS isolation |")
+    acc = summary.get("accuracy_by_benchmark") or {}
+    for b, a in acc.items():
+        if a.get("ungraded"):
+            ids = ", ".join(a["ungraded_ids"][:10])
+            lines.append(f"| {task} | {method} | | | | ⚠ {a['ungraded']} UNGRADED ({b}, grading CPU limit): {ids} |")
     lines += ["", f"n={summary['n']}; end-to-end TPS (incl. prefill): AR {ar['tps_e2e']:.1f}, {method} "
               f"{dec['tps_e2e']:.1f}; latency p50/p95 (s): AR {ar['latency_p50_s']:.3f}/{ar['latency_p95_s']:.3f}, "
               f"{method} {dec['latency_p50_s']:.3f}/{dec['latency_p95_s']:.3f}; lossless (greedy output == AR): "
@@ -400,6 +431,13 @@ def run_evaluation(cfg: EvalConfig, *, loaded: Optional[LoadedModel] = None,
     problems = load_benchmark(cfg.benchmark, limit=cfg.limit, data_path=cfg.data)
     if not problems:
         raise HarnessError("no problems selected (limit 0 or empty data file)")
+    if any(p.benchmark in CODE_BENCHMARKS for p in problems):
+        try:
+            check_isolation(cfg.isolation)
+        except SandboxUnavailable as e:
+            raise HarnessError(str(e)) from None
+        if cfg.isolation == "none":
+            log("[evaluate] WARNING: UNISOLATED - generated code runs WITHOUT OS isolation (--unisolated)")
     chat = ChatTemplateAdapter(tok)
     pinfo = prompt_info(cfg.prompt_set, mode=cfg.prompt_mode, tokenizer=chat)
     run_key = _run_key(cfg, dec_cfg, loaded.meta, pinfo)
@@ -450,8 +488,9 @@ def run_evaluation(cfg: EvalConfig, *, loaded: Optional[LoadedModel] = None,
                 dec_out, dec_wall = _timed_generate(loaded.engine, bids, dec_cfg, cfg, loaded.eos_ids, stops, detok)
             ar_text = [detok(r.tokens) for r in ar_out]
             dec_text = [detok(r.tokens) for r in dec_out]
-            ar_scores = score_many(batch, ar_text, timeout_s=cfg.score_timeout_s)
-            dec_scores = ar_scores if cfg.decoder == "ar" else score_many(batch, dec_text, timeout_s=cfg.score_timeout_s)
+            kw = dict(timeout_s=cfg.score_timeout_s, math_timeout_s=cfg.math_cpu_s, isolation=cfg.isolation)
+            ar_scores = score_many(batch, ar_text, **kw)
+            dec_scores = ar_scores if cfg.decoder == "ar" else score_many(batch, dec_text, **kw)
             for j, p in enumerate(batch):
                 lossless = ar_out[j].tokens == dec_out[j].tokens
                 if not lossless:
@@ -475,16 +514,16 @@ def run_evaluation(cfg: EvalConfig, *, loaded: Optional[LoadedModel] = None,
     summary = summarize_records(records)
     task = TASK_NAMES.get(cfg.benchmark or "", cfg.stem.rsplit("_", 1)[0])
     method = method_name(dec_cfg)
-    table = markdown_table(task, method, summary)
     paths = {"jsonl": jsonl, "summary": os.path.join(cfg.out_dir, cfg.stem + ".summary.json"),
              "table": os.path.join(cfg.out_dir, cfg.stem + ".md")}
     summary.update({
         "task": task, "method": method, "benchmark": cfg.benchmark, "data": cfg.data, "checkpoint": loaded.ckpt_dir,
         "iteration": loaded.meta.get("iteration"), "decode_config": asdict(dec_cfg),
         "max_new_tokens": cfg.max_new_tokens, "batch_size": cfg.batch_size, "prompt": pinfo, "run_key": run_key,
-        "accuracy_by_benchmark": aggregate(_scores_of(records)), "paths": paths,
+        "accuracy_by_benchmark": aggregate(_scores_of(records)), "paths": paths, "isolation": cfg.isolation,
         "resumed": len(problems) - len(pending), "generated": len(pending),
     })
+    table = markdown_table(task, method, summary)
     atomic_write_text(paths["summary"], json.dumps(summary, indent=2, default=_json_default) + "\n")
     atomic_write_text(paths["table"], table)
     log("\n" + table)
@@ -501,7 +540,8 @@ def run_evaluation(cfg: EvalConfig, *, loaded: Optional[LoadedModel] = None,
 def _scores_of(records: Sequence[dict]):
     from .scoring import Score
 
-    return [Score(r["task_id"], r["benchmark"], bool(r["correct"]), r["status"]) for r in records]
+    return [Score(r["task_id"], r["benchmark"], bool(r["correct"]), r["status"], verdict=r.get("verdict") or "",
+                  isolation=r.get("isolation") or "") for r in records]
 
 
 def _json_default(o: Any) -> Any:

@@ -5,7 +5,9 @@ Pipeline used by :func:`grade_gsm8k` and :func:`grade_math`:
 1. **Extraction** (:func:`extract_answer`): the content of the last ``\\boxed{...}`` / ``\\fbox{...}`` (nested braces
    and escaped ``\\{``/``\\}`` handled; a truncated, unbalanced last box falls back to the previous one), else the
    last GSM8K ``#### N`` line, else Minerva's ``Final Answer: The final answer is X. I hope it is correct.``, else
-   the last "the answer is X", else the last number in the text.
+   the last "the answer is X", else the last LaTeX expression (``math-verify``'s LaTeX extraction of ``$...$``,
+   ``\\(...\\)``, ``\\[...\\]`` for MATH; for every benchmark a bare trailing ``\\frac``/``\\sqrt``/``\\binom``,
+   so ``\\dfrac{23}{7}`` is not read as ``7``), else the last number in the text.
 2. **Normalisation** (:func:`normalize_answer`), following Hendrycks et al.'s MATH ``strip_string`` and
    Lewkowycz et al.'s (Minerva, 2022, App. D) ``normalize_final_answer``: outer ``$``, ``\\left``/``\\right``,
    ``\\dfrac``/``\\tfrac`` -> ``\\frac``, ``\\frac12`` -> ``\\frac{1}{2}``, ``\\sqrt2`` -> ``\\sqrt{2}``, degrees
@@ -16,27 +18,34 @@ Pipeline used by :func:`grade_gsm8k` and :func:`grade_math`:
    and a fraction (``0.3333`` vs ``\\frac{1}{3}``) or for scientific notation; else tuples/intervals element by
    element (bare comma lists and ``\\{...\\}`` sets in any order, bracketed tuples/intervals in order); else symbolic
    equality via ``math-verify`` if installed (``math_verify.parse`` + ``math_verify.verify``), or
-   sympy ``simplify(a - b) == 0`` on a light LaTeX->sympy translation, under a wall-clock guard (seconds).
+   sympy ``simplify(a - b) == 0`` on a light LaTeX->sympy translation, under a CPU-time limit.
 
-The time guard uses ``SIGALRM`` in the main thread; elsewhere the symbolic check runs in a daemon thread that
-is abandoned after the limit. Inputs that could make sympy/bignum arithmetic run away (very long strings, huge
-exponents/factorials) skip the symbolic step and count as not equivalent.
+The limit is **CPU time of the grading thread** (``time.pthread_getcpuclockid``), not wall-clock time, so a busy
+machine does not change a verdict: a watchdog thread reads that clock and, past the limit, raises
+:class:`SymbolicTimeout` in the grading thread (``PyThreadState_SetAsyncExc``). A timeout is never a wrong
+answer: :func:`grade_gsm8k` / :func:`grade_math` return ``ungraded=True`` (``method="timeout"``), which
+:func:`megatron_jf.eval.scoring.aggregate` counts and lists separately. Inputs that could make sympy/bignum
+arithmetic run away (very long strings, huge exponents/factorials) skip the symbolic step and count as not
+equivalent.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import re
-import signal
 import threading
+import time
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from typing import Any, Callable, Optional
 
 __all__ = [
+    "DEFAULT_SYMBOLIC_CPU_S",
     "GradeResult",
+    "SymbolicTimeout",
     "answers_equivalent",
     "equivalence_method",
     "extract_answer",
@@ -50,8 +59,10 @@ __all__ = [
 
 #: relative tolerance used for numeric comparison (as in Qwen2.5-Math's ``math_equal``)
 NUMERIC_REL_TOL = 1e-4
-#: default wall-clock limit for one symbolic comparison, seconds
-DEFAULT_SYMBOLIC_TIMEOUT_S = 3.0
+#: default CPU-time limit for one symbolic step (comparison or LaTeX extraction), CPU seconds of the grading thread
+DEFAULT_SYMBOLIC_CPU_S = 20.0
+#: former name of :data:`DEFAULT_SYMBOLIC_CPU_S` (the limit is CPU time now)
+DEFAULT_SYMBOLIC_TIMEOUT_S = DEFAULT_SYMBOLIC_CPU_S
 _MAX_SYMBOLIC_CHARS = 300
 
 
@@ -63,14 +74,18 @@ class GradeResult:
         correct: the predicted answer is equivalent to the gold answer.
         predicted: the extracted (un-normalised) answer, or ``None`` when nothing could be extracted.
         gold: the gold answer used (un-normalised).
-        method: how equivalence was decided: ``"string"``, ``"numeric"``, ``"tuple"``, ``"symbolic"``, or
-            ``"none"`` (not equivalent / no prediction).
+        method: how equivalence was decided: ``"string"``, ``"numeric"``, ``"tuple"``, ``"symbolic"``,
+            ``"none"`` (not equivalent / no prediction) or ``"timeout"`` (ungraded).
+        ungraded: the CPU-time limit of a symbolic step was reached; neither right nor wrong.
+        note: why it is ungraded.
     """
 
     correct: bool
     predicted: Optional[str]
     gold: str
     method: str
+    ungraded: bool = False
+    note: str = ""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -157,19 +172,26 @@ _MINERVA_RE = re.compile(r"final answer is\s*(.+?)\.?\s*I hope it is correct", r
 _ANSWER_IS_RE = re.compile(r"answer is[:\s]*(.+?)(?:\.\s|\.?\s*$|\n)", re.IGNORECASE)
 
 
-def extract_answer(text: Optional[str], benchmark: str = "math") -> Optional[str]:
+def extract_answer(text: Optional[str], benchmark: str = "math", *,
+                   cpu_s: float = DEFAULT_SYMBOLIC_CPU_S) -> Optional[str]:
     """Extract the final answer from a model completion.
 
     Order: last ``\\boxed{}``/``\\fbox{}``; last ``#### N``; Minerva "Final Answer: The final answer is X. I hope it
-    is correct."; last "the answer is X"; last number in the text.
+    is correct."; last "the answer is X"; the last LaTeX expression (``math-verify``'s LaTeX extraction for MATH,
+    where ``$`` is math and not currency; a bare trailing ``\\frac``/``\\sqrt``/``\\binom`` for any benchmark);
+    last number in the text.
 
     Args:
         text: the completion (``None``/empty gives ``None``).
         benchmark: ``"gsm8k"``, ``"math"`` or ``"math500"``; for GSM8K a non-numeric extracted answer is reduced
             to its last number (``"9 * 2 = 18"`` -> ``"18"``).
+        cpu_s: CPU-time limit of the ``math-verify`` extraction, seconds.
 
     Returns:
         The raw (un-normalised) answer string, or ``None``.
+
+    Raises:
+        SymbolicTimeout: the ``math-verify`` extraction used more than ``cpu_s`` CPU seconds.
     """
     if not text:
         return None
@@ -186,6 +208,8 @@ def extract_answer(text: Optional[str], benchmark: str = "math") -> Optional[str
         if ms:
             ans = ms[-1].group(1).strip()
     if ans is None:
+        ans = _latex_answer(text, benchmark, cpu_s)
+    if ans is None:
         ms = _NUMBER_RE.findall(text)
         ans = ms[-1] if ms else None
     if ans is None:
@@ -200,6 +224,62 @@ def extract_answer(text: Optional[str], benchmark: str = "math") -> Optional[str
             if nums:
                 ans = nums[-1]
     return ans or None
+
+
+_BARE_LATEX_RE = re.compile(r"(?:-\s*)?(?:\d+(?:\.\d+)?\s*)?\\(?:[dt]?frac|sqrt|binom)(?![a-zA-Z])")
+
+
+def _bare_latex_span(text: str) -> Optional[str]:
+    """The last ``\\frac{a}{b}`` / ``\\sqrt{x}`` / ``\\binom{n}{k}`` (with a leading sign/coefficient) when no
+    number follows it in the text."""
+    for m in reversed(list(_BARE_LATEX_RE.finditer(text))):
+        end = m.end()
+        groups = 2 if "sqrt" not in m.group(0) else 1
+        j = end
+        for _ in range(groups):
+            while j < len(text) and text[j] in " \t":
+                j += 1
+            if j < len(text) and text[j] == "[" and "sqrt" in m.group(0):
+                k = text.find("]", j)
+                j = k + 1 if k > 0 else j
+            if j < len(text) and text[j] == "{":
+                k = _match_brace(text, j)
+                if k is None:
+                    break
+                j = k + 1
+            elif j < len(text) and text[j].isalnum():
+                j += 1
+            else:
+                break
+        else:
+            if _NUMBER_RE.search(text, j) is None:
+                return text[m.start():j].strip()
+            return None
+    return None
+
+
+def _mv_latex_extract(text: str) -> Optional[str]:
+    from math_verify import LatexExtractionConfig, parse
+
+    res = parse(text, extraction_config=[LatexExtractionConfig()], parsing_timeout=None)
+    if len(res) >= 2 and isinstance(res[1], str) and res[1].strip():
+        return res[1].strip()
+    return None
+
+
+def _latex_answer(text: str, benchmark: str, cpu_s: float) -> Optional[str]:
+    """``math-verify``'s LaTeX extraction (MATH only: in GSM8K ``$`` is currency), then a bare trailing fraction."""
+    if benchmark != "gsm8k" and ("$" in text or "\\(" in text or "\\[" in text) \
+            and symbolic_backend() == "math-verify":
+        try:
+            got = _run_with_cpu_limit(lambda: _mv_latex_extract(text), cpu_s)
+        except SymbolicTimeout:
+            raise
+        except Exception:  # noqa: BLE001 - an extraction error means "nothing found"
+            got = None
+        if got:
+            return got
+    return _bare_latex_span(text)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -465,43 +545,52 @@ def symbolic_backend() -> str:
     return _MV_STATE["backend"]
 
 
-class _GuardTimeout(Exception):
-    pass
+class SymbolicTimeout(TimeoutError):
+    """A symbolic step used more CPU time than its limit; the answer is *ungraded*, not wrong."""
 
 
-def _run_with_time_limit(fn: Callable[[], Any], timeout_s: float) -> Any:
-    """Run ``fn()`` with a wall-clock limit (seconds); raise :class:`TimeoutError` on expiry."""
-    in_main = threading.current_thread() is threading.main_thread()
-    if in_main and hasattr(signal, "setitimer") and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0):
+class _CpuLimit(BaseException):
+    """Raised asynchronously in the grading thread by the watchdog (a BaseException, so ``except Exception``
+    inside sympy / math-verify does not swallow it)."""
 
-        def _handler(signum, frame):  # noqa: ARG001
-            raise _GuardTimeout()
 
-        old = signal.signal(signal.SIGALRM, _handler)
-        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+def _set_async_exc(tid: int, exc) -> None:
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(exc) if exc else None)
+
+
+def _run_with_cpu_limit(fn: Callable[[], Any], cpu_s: float) -> Any:
+    """Run ``fn()`` in this thread; raise :class:`SymbolicTimeout` once this thread has used ``cpu_s`` CPU seconds.
+
+    A watchdog thread polls this thread's CPU clock every 10 ms (``time.pthread_getcpuclockid``); time spent
+    waiting for a CPU or for the GIL is not counted, so the outcome does not depend on machine load.
+    """
+    if not (cpu_s > 0):
+        raise ValueError(f"CPU-time limit must be > 0 seconds, got {cpu_s!r}")
+    tid = threading.get_ident()
+    clock = time.pthread_getcpuclockid(tid)
+    start = time.clock_gettime(clock)
+    stop = threading.Event()
+    fired = []
+
+    def watch():
+        while not stop.wait(0.01):
+            if time.clock_gettime(clock) - start > cpu_s:
+                fired.append(1)
+                _set_async_exc(tid, _CpuLimit)
+                return
+
+    w = threading.Thread(target=watch, daemon=True, name="jf-symbolic-watchdog")
+    w.start()
+    try:
         try:
             return fn()
-        except _GuardTimeout:
-            raise TimeoutError(f"symbolic comparison exceeded {timeout_s} s") from None
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, old)
-    box: dict[str, Any] = {}
-
-    def _target():
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001
-            box["error"] = e
-
-    t = threading.Thread(target=_target, daemon=True, name="jf-symbolic-check")
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        raise TimeoutError(f"symbolic comparison exceeded {timeout_s} s (worker abandoned)")
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
+            stop.set()
+            w.join()
+            if fired:
+                _set_async_exc(tid, None)  # drop a pending, undelivered exception
+    except _CpuLimit:
+        raise SymbolicTimeout(f"symbolic step exceeded {cpu_s:g} CPU seconds") from None
 
 
 _RUNAWAY_RE = re.compile(r"(?:\^|\*\*)\s*\{?\s*-?\d{4,}|\d{3,}\s*!|\\binom\{\d{4,}")
@@ -537,7 +626,7 @@ def _sympy_equal(a: str, b: str) -> bool:
 
 
 class _DropTimeoutWarning(logging.Filter):
-    """math-verify warns that its own timeout is off; we apply our own guard (``_run_with_time_limit``)."""
+    """math-verify warns that its own timeout is off; we apply our own guard (``_run_with_cpu_limit``)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith("Timeout is disabled")
@@ -565,9 +654,9 @@ def _symbolic_equal(pred: str, gold: str, timeout_s: float, backend: Optional[st
         raise ValueError(f"unknown symbolic backend {backend!r}; expected 'math-verify' or 'sympy'")
     fn = _math_verify_equal if backend == "math-verify" else _sympy_equal
     try:
-        return bool(_run_with_time_limit(lambda: fn(pred, gold), timeout_s))
-    except TimeoutError:
-        return False
+        return bool(_run_with_cpu_limit(lambda: fn(pred, gold), timeout_s))
+    except SymbolicTimeout:
+        raise
     except Exception:  # parse errors etc. mean "not shown equivalent"  # noqa: BLE001
         return False
 
@@ -591,7 +680,7 @@ def equivalence_method(
         pred: predicted answer (raw; ``None`` is never equivalent).
         gold: gold answer (raw).
         symbolic: allow the symbolic step (math-verify or sympy).
-        timeout_s: wall-clock limit of the symbolic step, seconds.
+        timeout_s: CPU-time limit of the symbolic step, CPU seconds of the calling thread.
         backend: ``"math-verify"``, ``"sympy"`` or ``None`` (math-verify when installed, see
             :func:`symbolic_backend`).
 
@@ -600,6 +689,7 @@ def equivalence_method(
 
     Raises:
         ValueError: unknown ``backend``.
+        SymbolicTimeout: the symbolic step reached its CPU-time limit (undecided, not "not equivalent").
     """
     if pred is None or gold is None:
         return None
@@ -648,7 +738,11 @@ def answers_equivalent(
     timeout_s: float = DEFAULT_SYMBOLIC_TIMEOUT_S,
     backend: Optional[str] = None,
 ) -> bool:
-    """``True`` if ``pred`` and ``gold`` denote the same answer (see :func:`equivalence_method`)."""
+    """``True`` if ``pred`` and ``gold`` denote the same answer (see :func:`equivalence_method`).
+
+    Raises:
+        SymbolicTimeout: undecided within the CPU-time limit.
+    """
     return equivalence_method(pred, gold, symbolic=symbolic, timeout_s=timeout_s, backend=backend) is not None
 
 
@@ -658,10 +752,10 @@ def grade_gsm8k(completion: Optional[str], gold: str, *, timeout_s: float = DEFA
     Args:
         completion: model output text.
         gold: the gold number, or the full GSM8K reference answer ending in ``#### N``.
-        timeout_s: symbolic-step limit, seconds (rarely reached for GSM8K).
+        timeout_s: CPU-time limit of each symbolic step, CPU seconds (rarely reached for GSM8K).
 
     Returns:
-        :class:`GradeResult`.
+        :class:`GradeResult` (``ungraded=True`` when a symbolic step reached its CPU-time limit).
 
     Raises:
         ValueError: ``gold`` is empty.
@@ -669,8 +763,17 @@ def grade_gsm8k(completion: Optional[str], gold: str, *, timeout_s: float = DEFA
     if gold is None or not str(gold).strip():
         raise ValueError("grade_gsm8k: empty gold answer")
     g = extract_gsm8k_gold(str(gold)) if "####" in str(gold) else str(gold).strip()
-    pred = extract_answer(completion, "gsm8k")
-    method = equivalence_method(pred, g, timeout_s=timeout_s)
+    return _grade(completion, g, "gsm8k", timeout_s)
+
+
+def _grade(completion: Optional[str], g: str, benchmark: str, cpu_s: float) -> GradeResult:
+    pred = None
+    try:
+        pred = extract_answer(completion, benchmark, cpu_s=cpu_s)
+        method = equivalence_method(pred, g, timeout_s=cpu_s)
+    except SymbolicTimeout as e:
+        logging.getLogger(__name__).warning("ungraded: %s (predicted %r, gold %r)", e, pred, g)
+        return GradeResult(False, pred, g, "timeout", ungraded=True, note=str(e))
     return GradeResult(method is not None, pred, g, method or "none")
 
 
@@ -682,10 +785,10 @@ def grade_math(
     Args:
         completion: model output text.
         gold_solution_or_answer: a worked solution (its last ``\\boxed{}`` is the gold answer) or the bare answer.
-        timeout_s: symbolic-step limit, seconds.
+        timeout_s: CPU-time limit of each symbolic step, CPU seconds.
 
     Returns:
-        :class:`GradeResult`.
+        :class:`GradeResult` (``ungraded=True`` when a symbolic step reached its CPU-time limit).
 
     Raises:
         ValueError: ``gold_solution_or_answer`` is empty.
@@ -693,7 +796,5 @@ def grade_math(
     if gold_solution_or_answer is None or not str(gold_solution_or_answer).strip():
         raise ValueError("grade_math: empty gold answer")
     g = last_boxed(gold_solution_or_answer) or str(gold_solution_or_answer).strip()
-    pred = extract_answer(completion, "math")
-    method = equivalence_method(pred, g, timeout_s=timeout_s)
-    return GradeResult(method is not None, pred, g, method or "none")
+    return _grade(completion, g, "math", timeout_s)
 

@@ -1,10 +1,15 @@
 """Scoring of completions and resumable per-sample result files.
 
-:func:`score` dispatches on ``problem.benchmark``: HumanEval/MBPP completions are run against the benchmark tests
-in the subprocess sandbox of :mod:`megatron_jf.eval.code_exec` (pass@1 with one greedy sample, as in Jacobi
-Forcing Tables 1-3); GSM8K/MATH/MATH-500 completions are graded by :mod:`megatron_jf.eval.math_grading`.
-:func:`aggregate` gives accuracy per benchmark; the paper reports it next to TPF (tokens per forward) and TPS
+:func:`score` dispatches on ``problem.benchmark``: HumanEval/MBPP completions run in the OS sandbox
+(:mod:`megatron_jf.eval.sandbox`) and the benchmark's tests compare their returned values here, outside it
+(:mod:`megatron_jf.eval.verdict`; pass@1 with one greedy sample, as in Jacobi Forcing Tables 1-3); GSM8K/MATH/
+MATH-500 completions are graded by :mod:`megatron_jf.eval.math_grading` under a CPU-time limit, a timeout being
+*ungraded* (status ``"ungraded"``), never wrong. :func:`aggregate` gives accuracy per benchmark over the graded
+items and lists ungraded ones separately; the paper reports accuracy next to TPF (tokens per forward) and TPS
 (tokens per second), which the caller can add to each record with ``make_record(..., extra={...})``.
+
+Code is never executed without OS isolation unless ``isolation="none"`` is passed explicitly
+(:class:`megatron_jf.eval.sandbox.SandboxUnavailable` otherwise).
 
 Result files are JSONL, one record per task, rewritten atomically (temporary file in the same directory +
 ``os.replace``), so an interrupted run leaves either the old or the new file and can be resumed:
@@ -21,7 +26,10 @@ from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Optional, Sequence
 
 from .benchmarks import CODE_BENCHMARKS, MATH_BENCHMARKS, Problem
+from concurrent.futures import ThreadPoolExecutor
+
 from .code_exec import (
+    DEFAULT_ISOLATION,
     DEFAULT_MEMORY_BYTES,
     DEFAULT_TIMEOUT_S,
     DEFAULT_WORKERS,
@@ -29,10 +37,10 @@ from .code_exec import (
     build_humaneval_program,
     build_mbpp_program,
     extract_code,
-    run_program,
-    run_programs,
 )
-from .math_grading import DEFAULT_SYMBOLIC_TIMEOUT_S, GradeResult, grade_gsm8k, grade_math
+from .math_grading import DEFAULT_SYMBOLIC_CPU_S, GradeResult, grade_gsm8k, grade_math
+from .sandbox import check_isolation
+from .verdict import verify_humaneval, verify_mbpp
 
 __all__ = [
     "ResultsWriter",
@@ -55,11 +63,14 @@ class Score:
         task_id: the problem's task id.
         benchmark: the problem's benchmark.
         correct: passed all tests (code) / answer equivalent to gold (math).
-        status: ``"passed"``, ``"failed"``, ``"timeout"`` or ``"error"`` (math: ``"passed"``/``"failed"``).
+        status: ``"passed"``, ``"failed"``, ``"timeout"`` or ``"error"`` (math: ``"passed"``/``"failed"``/
+            ``"ungraded"``, the last when the symbolic step reached its CPU-time limit).
         message: reason (exception and line for code; "predicted X vs gold Y (method)" for math).
         predicted: extracted answer (math) or ``None``.
         gold: gold answer (math) or ``None``.
         duration_s: sandbox wall time for code, seconds (0.0 for math).
+        verdict: code: ``"split"`` (decided outside the sandbox) or ``"in-sandbox"``; math: ``""``.
+        isolation: code: ``"os"`` or ``"none"`` (ran without OS isolation); math: ``""``.
     """
 
     task_id: str
@@ -70,6 +81,8 @@ class Score:
     predicted: Optional[str] = None
     gold: Optional[str] = None
     duration_s: float = 0.0
+    verdict: str = ""
+    isolation: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form."""
@@ -90,11 +103,27 @@ def program_for(problem: Problem, completion: str) -> str:
     raise ValueError(f"problem {problem.task_id!r}: {problem.benchmark!r} is not a code benchmark")
 
 
-def _from_exec(problem: Problem, r: ExecResult) -> Score:
-    return Score(problem.task_id, problem.benchmark, r.passed, r.status, r.message, None, None, r.duration_s)
+def _from_exec(problem: Problem, r: ExecResult, isolation: str) -> Score:
+    msg = r.message + (f" [{r.note}]" if r.note else "")
+    return Score(problem.task_id, problem.benchmark, r.passed, r.status, msg, None, None, r.duration_s,
+                 r.verdict, isolation)
+
+
+def _verify(problem: Problem, completion: str, *, timeout_s: float, memory_bytes: Optional[int],
+            isolation: str) -> ExecResult:
+    code = extract_code(completion)
+    kw = dict(timeout_s=timeout_s, memory_bytes=memory_bytes, isolation=isolation)
+    if problem.benchmark == "humaneval":
+        return verify_humaneval(problem.prompt, code, problem.entry_point or "", problem.tests[0], **kw)
+    if problem.benchmark == "mbpp":
+        return verify_mbpp(code, list(problem.tests), problem.test_setup, entry_point=problem.entry_point, **kw)
+    raise ValueError(f"problem {problem.task_id!r}: {problem.benchmark!r} is not a code benchmark")
 
 
 def _from_grade(problem: Problem, g: GradeResult) -> Score:
+    if g.ungraded:
+        return Score(problem.task_id, problem.benchmark, False, "ungraded",
+                     f"UNGRADED: {g.note} (predicted {g.predicted!r} vs gold {g.gold!r})", g.predicted, g.gold, 0.0)
     if g.predicted is None:
         msg = "no answer found in the completion"
     else:
@@ -117,28 +146,32 @@ def score(
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     memory_bytes: Optional[int] = DEFAULT_MEMORY_BYTES,
-    math_timeout_s: float = DEFAULT_SYMBOLIC_TIMEOUT_S,
+    math_timeout_s: float = DEFAULT_SYMBOLIC_CPU_S,
+    isolation: str = DEFAULT_ISOLATION,
 ) -> Score:
     """Score one completion (the model's text after the prompt).
 
     Args:
         problem: the problem.
         completion: model output; ``None`` counts as an empty completion (wrong).
-        timeout_s: sandbox wall-clock limit per program, seconds (code benchmarks).
+        timeout_s: sandbox wall-clock limit per problem, seconds (code benchmarks).
         memory_bytes: sandbox address-space limit, bytes (code benchmarks).
-        math_timeout_s: symbolic-equivalence limit, seconds (math benchmarks).
+        math_timeout_s: CPU-time limit of each symbolic step, CPU seconds (math benchmarks).
+        isolation: ``"os"`` (default) or ``"none"`` (code runs without OS isolation; explicit opt-in).
 
     Returns:
         :class:`Score`. Problems of the completion never raise; they give ``correct=False``.
 
     Raises:
         TypeError: ``completion`` is neither ``str`` nor ``None``.
-        ValueError: unknown benchmark.
+        ValueError: unknown benchmark or isolation.
+        SandboxUnavailable: code benchmark, ``isolation="os"``, and namespaces do not work here.
     """
     completion = _check_completion(problem, completion)
     if problem.benchmark in CODE_BENCHMARKS:
-        r = run_program(program_for(problem, completion), timeout_s=timeout_s, memory_bytes=memory_bytes)
-        return _from_exec(problem, r)
+        check_isolation(isolation)
+        r = _verify(problem, completion, timeout_s=timeout_s, memory_bytes=memory_bytes, isolation=isolation)
+        return _from_exec(problem, r, isolation)
     if problem.benchmark == "gsm8k":
         return _from_grade(problem, grade_gsm8k(completion, problem.answer or "", timeout_s=math_timeout_s))
     if problem.benchmark in MATH_BENCHMARKS:
@@ -153,7 +186,8 @@ def score_many(
     workers: int = DEFAULT_WORKERS,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     memory_bytes: Optional[int] = DEFAULT_MEMORY_BYTES,
-    math_timeout_s: float = DEFAULT_SYMBOLIC_TIMEOUT_S,
+    math_timeout_s: float = DEFAULT_SYMBOLIC_CPU_S,
+    isolation: str = DEFAULT_ISOLATION,
 ) -> list[Score]:
     """Score many completions; code problems run ``workers`` sandboxes at a time. Order is preserved.
 
@@ -161,25 +195,43 @@ def score_many(
     and the rest continue.
 
     Raises:
-        ValueError: ``problems`` and ``completions`` differ in length.
+        ValueError: ``problems`` and ``completions`` differ in length, or unknown ``isolation``.
+        SandboxUnavailable: there are code problems, ``isolation="os"``, and namespaces do not work here
+            (raised before anything runs).
     """
     if len(problems) != len(completions):
         raise ValueError(f"score_many: {len(problems)} problems but {len(completions)} completions")
+    if not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"score_many: workers must be an int >= 1, got {workers!r}")
+    if any(p.benchmark in CODE_BENCHMARKS for p in problems):
+        check_isolation(isolation)
     out: list[Optional[Score]] = [None] * len(problems)
-    code_idx, programs = [], []
+    code_items = []
     for i, (p, c) in enumerate(zip(problems, completions)):
         try:
             c = _check_completion(p, c)
             if p.benchmark in CODE_BENCHMARKS:
-                programs.append(program_for(p, c))
-                code_idx.append(i)
+                code_items.append((i, p, c))
             else:
                 out[i] = score(p, c, math_timeout_s=math_timeout_s)
         except Exception as e:  # noqa: BLE001 - keep going
             out[i] = Score(p.task_id, p.benchmark, False, "error", f"{type(e).__name__}: {e}")
-    results = run_programs(programs, workers=workers, timeout_s=timeout_s, memory_bytes=memory_bytes)
-    for i, r in zip(code_idx, results):
-        out[i] = _from_exec(problems[i], r)
+
+    def one(item):
+        i, p, c = item
+        try:
+            r = _verify(p, c, timeout_s=timeout_s, memory_bytes=memory_bytes, isolation=isolation)
+            return i, _from_exec(p, r, isolation)
+        except Exception as e:  # noqa: BLE001 - keep going after any failure
+            return i, Score(p.task_id, p.benchmark, False, "error", f"{type(e).__name__}: {e}", isolation=isolation)
+
+    if workers == 1 or len(code_items) <= 1:
+        done = [one(it) for it in code_items]
+    else:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jf-score") as pool:
+            done = list(pool.map(one, code_items))
+    for i, sc in done:
+        out[i] = sc
     return [s for s in out if s is not None]
 
 
@@ -188,8 +240,11 @@ def aggregate(scores: Iterable[Score]) -> dict[str, dict[str, Any]]:
 
     Returns:
         ``{benchmark: {"n", "correct", "accuracy", "metric", "status_counts"}}`` where ``accuracy`` is a fraction in
-        [0, 1] and ``metric`` is ``"pass@1"`` for code benchmarks and ``"accuracy"`` otherwise; plus ``"all"`` over
-        every score when more than one benchmark is present.
+        [0, 1] over the *graded* items and ``metric`` is ``"pass@1"`` for code benchmarks and ``"accuracy"``
+        otherwise; plus ``"all"`` over every score when more than one benchmark is present. When some items are
+        ungraded (symbolic step over its CPU-time limit) the entry also has ``"ungraded"`` (count) and
+        ``"ungraded_ids"``; when some code checks were not split, ``"in_sandbox_ids"``; when code ran without OS
+        isolation, ``"unisolated": n``.
     """
     groups: dict[str, list[Score]] = {}
     for s in scores:
@@ -201,7 +256,20 @@ def aggregate(scores: Iterable[Score]) -> dict[str, dict[str, Any]]:
         counts: dict[str, int] = {}
         for s in items:
             counts[s.status] = counts.get(s.status, 0) + 1
-        return {"n": n, "correct": c, "accuracy": (c / n) if n else 0.0, "metric": metric, "status_counts": counts}
+        ungraded = [s.task_id for s in items if s.status == "ungraded"]
+        graded = n - len(ungraded)
+        out = {"n": n, "correct": c, "accuracy": (c / graded) if graded else 0.0, "metric": metric,
+               "status_counts": counts}
+        if ungraded:
+            out["ungraded"] = len(ungraded)
+            out["ungraded_ids"] = ungraded
+        in_sandbox = [s.task_id for s in items if getattr(s, "verdict", "") == "in-sandbox"]
+        if in_sandbox:
+            out["in_sandbox_ids"] = in_sandbox
+        unisolated = sum(1 for s in items if getattr(s, "isolation", "") == "none")
+        if unisolated:
+            out["unisolated"] = unisolated
+        return out
 
     out = {b: summary(v, "pass@1" if b in CODE_BENCHMARKS else "accuracy") for b, v in sorted(groups.items())}
     if len(groups) > 1:
@@ -248,6 +316,8 @@ def make_record(
         "predicted": result.predicted,
         "gold": result.gold,
         "exec_duration_s": round(result.duration_s, 4),
+        "verdict": result.verdict,
+        "isolation": result.isolation,
         "prompt_sha256": text_sha256(prompt) if prompt is not None else None,
     }
     if prompt_meta:

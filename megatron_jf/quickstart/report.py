@@ -125,8 +125,12 @@ def build_report(pipe) -> dict:
         a, b = tf_argmax[r["model"]], tf_argmax["base"]
         r["tf_agreement_with_base"] = float((a == b).float().mean()) if a is not None else float("nan")
         r["distinct4"] = distinct4(o)
+    warnings = _output_warnings(pipe, models, outputs, tok)
+    for r in rows:
+        r["output_warning"] = warnings.get(r["model"])
     summary = {"preset": p.name, "rows": rows, "tpf_by_block_size": curves, "eval_prompts": len(prompts),
-               "timing_prompts": min(p.timing_prompts, len(prompts)), "response_tokens": R}
+               "timing_prompts": min(p.timing_prompts, len(prompts)), "response_tokens": R,
+               "warnings": {m: w for m, w in warnings.items() if w}}
     atomic_write_json(out_dir / "report.json", summary)
     md = _markdown(summary)
     atomic_write_text(out_dir / "report.md", md)
@@ -187,6 +191,24 @@ def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos) -> dict:
             "tf_argmax": None if argmax is None else argmax.tolist()}
 
 
+def _output_warnings(pipe, models: dict, outputs: dict, tok) -> dict:
+    """``{model label: warning or None}``: degenerate completions (mostly one repeated token, or distinct-2 below
+    its threshold; :mod:`megatron_jf.eval.degenerate`) and, for JF rounds, ``pc_loss`` zero at every logged step
+    of ``{ckpt}_log.jsonl``."""
+    from megatron_jf.eval.degenerate import degeneracy, pc_loss_identically_zero
+
+    out = {}
+    for label, ck in models.items():
+        parts = []
+        deg = degeneracy(outputs[label], decode=tok.decode)
+        if deg["warning"]:
+            parts.append(deg["warning"])
+        if ck != "base" and pc_loss_identically_zero(str(pipe.path(f"{ck}_log.jsonl"))):
+            parts.append("L_pc IDENTICALLY ZERO during JF training (pc_loss = 0 at every logged step)")
+        out[label] = "; ".join(parts) or None
+    return out
+
+
 def _humaneval_pass1(prompt_rows, outputs, tok) -> dict:
     """pass@1 of each model's greedy completions (identical for every decoder: they are lossless)."""
     from megatron_jf.eval.benchmarks import load_benchmark
@@ -210,14 +232,18 @@ def _markdown(s) -> str:
              "Top-1 agreement: the model's next-token argmax equals the base model's on held-out text (teacher "
              "forced); greedy-output agreement: position-wise match of the free-running greedy continuations "
              "(one early difference changes everything after it).", "",
-             "| Model | Method | Speedup | TPF | TPS | held-out NLL | top-1 agree w/ base (held-out) "
+             "| Model | Method | Speedup | TPF | output check | TPS | held-out NLL | top-1 agree w/ base (held-out) "
              "| greedy-output agree w/ base | distinct-4 | pass@1 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    warnings = s.get("warnings") or {}
+    if warnings:
+        lines[2:2] = [f"**WARNING ({m})**: {w}." for m, w in warnings.items()] + [""]
     for r in s["rows"]:
         p1 = "-" if r.get("pass@1") is None else f"{100 * r['pass@1']:.1f}%"
-        lines.append(f"| {r['model']} | {r['decoder']} | {r['speedup']:.2f}x | {r['tpf']:.2f} | {r['tps']:.1f} | "
-                     f"{r['nll']:.3f} | {100 * r['tf_agreement_with_base']:.1f}% | {100 * r['agreement_with_base']:.1f}% "
-                     f"| {r['distinct4']:.3f} | {p1} |")
+        check = "⚠ " + r["output_warning"] if r.get("output_warning") else "ok"
+        lines.append(f"| {r['model']} | {r['decoder']} | {r['speedup']:.2f}x | {r['tpf']:.2f} | {check} | "
+                     f"{r['tps']:.1f} | {r['nll']:.3f} | {100 * r['tf_agreement_with_base']:.1f}% | "
+                     f"{100 * r['agreement_with_base']:.1f}% | {r['distinct4']:.3f} | {p1} |")
     lines += ["", "TPF of vanilla Jacobi by block size n:", "",
               "| Model | " + " | ".join(f"n={k}" for k in next(iter(s["tpf_by_block_size"].values()))) + " |",
               "|---|" + "---|" * len(next(iter(s["tpf_by_block_size"].values())))]
