@@ -17,7 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "dist"))
+from conftest import run_torchrun  # noqa: E402
 from train_fixtures import make_record, tiny_mcore_model  # noqa: E402
 
 TOL = 1e-5
@@ -275,3 +277,33 @@ def test_trainer_packed_path_matches_two_stream(mp1, tmp_path):
                 attention_path="packed", train_steps=1)
     with pytest.raises(ValueError, match="needs --pp 1"):
         TrainConfig(**base, pp=2).validate()
+
+
+def test_packed_path_parallel_layouts_match_single_process_two_stream(mp1, tmp_path):
+    """The packed THD row at TP=2, TP=2 + sequence parallelism (the row's tokens split over the ranks) and
+    DP=2 (torchrun, gloo) gives the single-process two-stream losses and gradient norms at every step."""
+    import json
+    from functools import partial
+
+    import numpy as np
+
+    import pretrain_jf
+    from megatron_jf.testing import save_tiny_hf
+    from megatron_jf.training.trainer import Trainer
+    from train_fixtures import hf_weights_provider, parallel_config, write_shards
+
+    d = str(tmp_path)
+    save_tiny_hf(os.path.join(d, "hf"), "qwen2", seed=5, vocab=255, layers=2, tied=True, max_pos=128)
+    recs = [make_record(100 + i, prompt_len=4 + i % 3, block_size=4, num_blocks=3, vocab=255,
+                        last_block_len=3 if i % 4 == 1 else None) for i in range(8)]
+    write_shards(os.path.join(d, "train"), recs, per_shard=3)
+    cfg = parallel_config(d, "two_stream_kl")
+    hist = Trainer(cfg, hf_weights_provider(os.path.join(d, "hf")), partial(pretrain_jf.forward_step, cfg=cfg),
+                   pretrain_jf.train_valid_datasets_provider).train()
+    loss, gn = [h["loss"] for h in hist], [h["grad norm"] for h in hist]
+    out = run_torchrun("packed_tp.py", d, timeout=400)
+    results = [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
+    assert [r["layout"] for r in results] == ["tp2", "tp2_sp", "dp2"]
+    for r in results:
+        np.testing.assert_allclose(r["loss"], loss, rtol=2e-5, atol=1e-6, err_msg=r["layout"])
+        np.testing.assert_allclose(r["grad_norm"], gn, rtol=2e-4, err_msg=r["layout"])

@@ -27,8 +27,8 @@ Paths (``--attention-path``):
 * ``flex``: not implemented. On CPU FlexAttention is slower than SDPA with a dense boolean mask
   (measured, torch 2.13, ``[4, 8, 320, 32]``, 1 thread: eager 84 ms, ``torch.compile`` 12 ms, SDPA with
   the dense mask 5.5 ms), and the core attention (``megatron_jf.models.attention``) has no ``BlockMask``
-  mode. TODO(GPU): route ``nc_ic``/``clean`` through FlexAttention or Transformer Engine's
-  arbitrary-mask attention (``AttnMaskType.arbitrary``) in the core attention.
+  mode. With Transformer Engine present, masked (``dense``, and ``packed`` with ``nc_ic``/``clean``)
+  attention already runs TE's arbitrary-mask attention (``AttnMaskType.arbitrary``) in the core attention.
 
 Everything that depends on the data (gather indices of the consistency pairs and AR positions) is
 computed on the CPU in :func:`build_jf_batch`, so the training step only does index gathers -- no
@@ -137,8 +137,7 @@ def _check_args(path: str, mask: str) -> None:
         raise ValueError(f"unknown mask {mask!r}; expected one of {MASK_KINDS}")
     if path == "flex":
         raise NotImplementedError(
-            "attention path 'flex' is not implemented: use 'dense' (any mask) or 'two_stream' (nc). "
-            "TODO: FlexAttention / Transformer Engine arbitrary-mask attention in the core attention for GPU")
+            "attention path 'flex' is not implemented: use 'dense' (any mask), 'packed' or 'two_stream' (nc)")
     if path == "two_stream" and mask != "nc":
         raise ValueError(f"the two-stream path is exact only for the 'nc' mask, not {mask!r}; "
                          "use --attention-path dense for nc_ic / clean")

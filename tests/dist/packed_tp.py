@@ -1,0 +1,36 @@
+"""Under torchrun x2: 3 training steps on the packed THD path at TP=2, TP=2 with sequence parallelism, and DP=2.
+
+Usage: torchrun --nproc_per_node 2 tests/dist/packed_tp.py WORKDIR
+Prints ``RESULT {"layout", "loss", "grad_norm"}`` lines (JSON) on global rank 0; tests/test_packed_attention.py
+compares them with a single-process two-stream run of the same data and weights.
+"""
+import json
+import os
+import sys
+from functools import partial
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def main():
+    import torch.distributed as dist
+
+    import pretrain_jf
+    from megatron_jf import parallel
+    from megatron_jf.training.trainer import Trainer
+    from train_fixtures import hf_weights_provider, parallel_config
+
+    work = sys.argv[1]
+    for layout, tp, sp in (("tp2", 2, False), ("tp2_sp", 2, True), ("dp2", 1, False)):
+        cfg = parallel_config(work, "two_stream_kl", tp=tp, attention_path="packed", sequence_parallel=sp)
+        tr = Trainer(cfg, hf_weights_provider(os.path.join(work, "hf")), partial(pretrain_jf.forward_step, cfg=cfg),
+                     pretrain_jf.train_valid_datasets_provider)
+        hist = tr.train()
+        if dist.get_rank() == 0:
+            print("RESULT " + json.dumps({"layout": layout, "loss": [h["loss"] for h in hist],
+                                          "grad_norm": [h["grad norm"] for h in hist]}), flush=True)
+    parallel.destroy()
+
+
+if __name__ == "__main__":
+    main()
