@@ -122,7 +122,7 @@ def train_valid_datasets_provider(cfg: TrainConfig, model_args):
 
     rank, world = parallel.dp_rank(), parallel.dp_size()
     seq = effective_seq_length(cfg, model_args.max_position_embeddings)
-    if cfg.sequence_parallel and (cfg.objective == "ar" or cfg.pp > 1) and seq % cfg.tp:
+    if cfg.sequence_parallel and (cfg.objective == "ar" or cfg.pad_rows_to_seq_length) and seq % cfg.tp:
         raise ValueError(f"--sequence-parallel splits every row over --tp {cfg.tp}: --seq-length {seq} must be a "
                          "multiple of it")
     if cfg.objective == "ar":
@@ -147,7 +147,7 @@ def train_valid_datasets_provider(cfg: TrainConfig, model_args):
         pad = model_args.pad_token_id if model_args.pad_token_id is not None else (
             model_args.eos_token_ids[0] if model_args.eos_token_ids else 0)
         collate = partial(build_jf_batch, path=cfg.attention_path, mask=cfg.mask, window_size=cfg.window_size,
-                          pad_id=int(pad), pad_to=seq if cfg.pp > 1 else None, max_len=seq,
+                          pad_id=int(pad), pad_to=seq if cfg.pad_rows_to_seq_length else None, max_len=seq,
                           pad_to_multiple_of=math.lcm(8, cfg.tp), max_position=model_args.max_position_embeddings,
                           vocab_size=model_args.vocab_size)
 

@@ -75,13 +75,37 @@ def test_tp_pp_dp_match_single_process(work):
         assert ref[name][0][0] != ref[name][0][-1]  # the optimizer really moves the weights
     out = run_torchrun("train_parallel.py", work, timeout=400)
     results = [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
-    assert {(r["layout"], r["config"]) for r in results} == {(lay, n) for lay in ("tp2", "pp2", "dp2")
+    assert {(r["layout"], r["config"]) for r in results} == {(lay, n) for lay in ("tp2", "pp2", "pp2_fixed", "dp2")
                                                              for n in PARALLEL_CONFIGS}
     for r in results:
         loss, gn = ref[r["config"]]
         np.testing.assert_allclose(r["loss"], loss, rtol=2e-5, atol=1e-6, err_msg=f"{r['layout']} {r['config']}")
         np.testing.assert_allclose(r["grad_norm"], gn, rtol=2e-4, err_msg=f"{r['layout']} {r['config']}")
         assert r["torch_ddp"] == (r["layout"] == "dp2")
+        assert r["variable_seq_lengths"] == (r["layout"] == "pp2")
+
+
+@pytest.mark.parametrize("variable", [True, False])
+def test_pipeline_rows_keep_their_own_length(work, variable):
+    """PP > 1 pads each microbatch to its own length (rounded to 8), not every row to --seq-length, unless
+    --no-variable-seq-lengths."""
+    import pretrain_jf
+    from megatron_jf.models.hf_config import ModelArgs
+    from megatron_jf.training.config import parse_config
+
+    argv = ["--hf-config", os.path.join(work, "hf"), "--data", os.path.join(work, "train"), "--block-size", "4",
+            "--train-steps", "1", "--pp", "2", "--seq-length", "64"]
+    cfg = parse_config(argv + ([] if variable else ["--no-variable-seq-lengths"]))
+    assert cfg.pad_rows_to_seq_length is not variable
+    spec, _ = pretrain_jf.train_valid_datasets_provider(cfg, ModelArgs.from_hf_dir(os.path.join(work, "hf")))
+    ds = spec.dataset
+    ds.set_epoch(0)
+    ds.set_start(0)
+    lengths = {spec.collate([s]).tokens.shape[1] for s in ds}
+    if variable:
+        assert max(lengths) < 64 and all(n % 8 == 0 for n in lengths) and len(lengths) > 1, lengths
+    else:
+        assert lengths == {64}
 
 
 # ----------------------------------------------------------------------------- optimisation

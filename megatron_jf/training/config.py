@@ -99,8 +99,12 @@ class TrainConfig:
     consistency_positions: str = "all"
     """``all`` pairs every (block, offset) | ``from_first_diff`` (reference: offsets from the first noisy token)."""
     seq_length: int | None = None
-    """Model-input row length. jf: maximum (two-stream ``P+R``, dense ``P+2R``), padded to it when pp > 1;
-    default the model context (dense: twice it). ar: tokens per sample (required)."""
+    """Model-input row length. jf: maximum (two-stream ``P+R``, dense ``P+2R``), padded to it when pp > 1
+    without ``variable_seq_lengths``; default the model context (dense: twice it). ar: tokens per sample
+    (required)."""
+    variable_seq_lengths: bool = True
+    """pp > 1: each microbatch keeps its own row length (megatron-core ``variable_seq_lengths``: the pipeline
+    stages exchange activation shapes before each send) instead of padding every row to ``seq_length``."""
     tokenizer: str | None = None
     """Tokenizer directory (ar objective with JSONL text)."""
     num_workers: int = 0
@@ -130,7 +134,7 @@ class TrainConfig:
     anchor_weight: float = 0.0
     """Weight ``lambda`` of L_anchor (0 = off; > 0 needs ``--anchor-data``)."""
     anchor_seq_length: int = 256
-    """Tokens per anchor row (<= the model context; <= ``--seq-length`` under pipeline parallelism)."""
+    """Tokens per anchor row (<= the model context; <= ``--seq-length`` when rows are padded to it)."""
     anchor_micro_batch_size: int | None = None
     """Anchor text rows per JF microbatch; default ``--micro-batch-size``."""
 
@@ -285,6 +289,11 @@ class TrainConfig:
         return kw
 
     @property
+    def pad_rows_to_seq_length(self) -> bool:
+        """Whether every model-input row is padded to ``seq_length`` (pp > 1 with fixed pipeline shapes)."""
+        return self.pp > 1 and not self.variable_seq_lengths
+
+    @property
     def anchor_on(self) -> bool:
         """Whether JF microbatches carry anchor rows."""
         return bool(self.anchor_data) and self.anchor_weight > 0
@@ -391,8 +400,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--consistency-positions", choices=CONSISTENCY_POSITIONS, default=d.consistency_positions,
                    help="which (block, offset) pairs carry L_pc (from_first_diff: official code)")
     g.add_argument("--seq-length", type=int, default=None,
-                   help="model-input row length bound; rows are padded to it when --pp > 1 "
-                        "(default: the model context; dense path: twice it)")
+                   help="model-input row length bound; rows are padded to it when --pp > 1 with "
+                        "--no-variable-seq-lengths (default: the model context; dense path: twice it)")
+    g.add_argument("--variable-seq-lengths", action=argparse.BooleanOptionalAction, default=d.variable_seq_lengths,
+                   help="--pp > 1: each microbatch keeps its own row length (stages exchange shapes, megatron-core "
+                        "variable_seq_lengths); --no-variable-seq-lengths pads every row to --seq-length")
     g.add_argument("--tokenizer", "--tokenizer-model", dest="tokenizer", default=None,
                    help="tokenizer directory (ar objective with JSONL text, anchor JSONL)")
     g.add_argument("--num-workers", type=int, default=d.num_workers, help="DataLoader worker processes per rank")
@@ -480,7 +492,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
 
 
 def effective_seq_length(cfg: TrainConfig, max_position: int) -> int:
-    """The model-input row length bound (and the padded length under pipeline parallelism)."""
+    """The model-input row length bound (and the padded length under pipeline parallelism with fixed shapes)."""
     if cfg.seq_length is not None:
         return cfg.seq_length
     if cfg.objective == "jf" and cfg.attention_path == "dense":

@@ -188,7 +188,7 @@ class Trainer:
         self.model = self._wrap(model)
         self.optimizer = self._build_optimizer()
         config = self.module.config
-        config.variable_seq_lengths = False
+        config.variable_seq_lengths = cfg.pp > 1 and cfg.variable_seq_lengths
         config.finalize_model_grads_func = self._finalize_grads
         if self.use_mopt:
             from megatron.core.distributed import finalize_model_grads
@@ -225,7 +225,7 @@ class Trainer:
 
         Raises:
             ValueError / FileNotFoundError: unreadable or too short anchor data, ids outside the vocabulary
-                (on reading), ``--anchor-seq-length`` beyond the model context or (pp > 1) ``--seq-length``.
+                (on reading), ``--anchor-seq-length`` beyond the model context or the fixed row length.
         """
         from functools import partial
 
@@ -236,10 +236,11 @@ class Trainer:
         if cfg.anchor_seq_length > args.max_position_embeddings:
             raise ValueError(f"--anchor-seq-length {cfg.anchor_seq_length} exceeds the model's context of "
                              f"{args.max_position_embeddings}")
-        pad_to = self.seq_length if cfg.pp > 1 else None
+        pad_to = self.seq_length if cfg.pad_rows_to_seq_length else None
         if pad_to is not None and cfg.anchor_seq_length > pad_to:
             raise ValueError(f"--anchor-seq-length {cfg.anchor_seq_length} exceeds the fixed row length "
-                             f"--seq-length {pad_to} (pipeline parallelism pads every row to it)")
+                             f"--seq-length {pad_to} (pipeline parallelism with --no-variable-seq-lengths pads "
+                             "every row to it)")
         tok = None
         if cfg.tokenizer:
             from megatron_jf.tokenizer import load_tokenizer

@@ -1,4 +1,5 @@
-"""Under torchrun x2: train 3 steps at TP=2, then PP=2, then DP=2 from identical weights and data.
+"""Under torchrun x2: train 3 steps at TP=2, then PP=2 (each microbatch its own row length, then every row
+padded to --seq-length), then DP=2 from identical weights and data.
 
 Usage: torchrun --nproc_per_node 2 tests/dist/train_parallel.py WORKDIR
 Prints ``RESULT {"layout", "config", "loss", "grad_norm"}`` lines (JSON) on global rank 0; the test
@@ -21,16 +22,20 @@ def main():
     from train_fixtures import PARALLEL_CONFIGS, hf_weights_provider, parallel_config
 
     work = sys.argv[1]
-    for layout, (tp, pp) in (("tp2", (2, 1)), ("pp2", (1, 2)), ("dp2", (1, 1))):
+    for layout, (tp, pp, over) in (("tp2", (2, 1, {})), ("pp2", (1, 2, {})),
+                                   ("pp2_fixed", (1, 2, {"variable_seq_lengths": False, "seq_length": 64})),
+                                   ("dp2", (1, 1, {}))):
         for name in PARALLEL_CONFIGS:
-            cfg = parallel_config(work, name, tp=tp, pp=pp)
+            cfg = parallel_config(work, name, tp=tp, pp=pp, **over)
             tr = Trainer(cfg, hf_weights_provider(os.path.join(work, "hf")), partial(pretrain_jf.forward_step, cfg=cfg),
                          pretrain_jf.train_valid_datasets_provider)
             hist = tr.train()
             if dist.get_rank() == 0:
                 print("RESULT " + json.dumps({"layout": layout, "config": name, "loss": [h["loss"] for h in hist],
                                               "grad_norm": [h["grad norm"] for h in hist],
-                                              "torch_ddp": tr.torch_ddp}), flush=True)
+                                              "torch_ddp": tr.torch_ddp,
+                                              "variable_seq_lengths": tr.module.config.variable_seq_lengths}),
+                      flush=True)
     parallel.destroy()
 
 
