@@ -1,21 +1,29 @@
 #!/usr/bin/env python
-"""Training-step cost of Jacobi Forcing on a tiny model, measured in one run (CPU or GPU).
+"""Training-step cost and peak memory of Jacobi Forcing on a tiny model, measured in one run (CPU or GPU).
 
-Prints three ratios (median step times, forward + loss + backward + AdamW step, batches prebuilt):
+Step = forward + loss + backward + AdamW step, batches prebuilt; times are the fastest of interleaved
+repetitions (the least disturbed by other load on a shared machine; ``--stat median`` for medians), peak memory is the most bytes torch held during one forward + loss + backward above what was
+live before it (CPU: the torch profiler's allocator events, :mod:`megatron_jf.training.memstats`; GPU:
+``torch.cuda.max_memory_allocated``). Variants:
 
-1. **JF / plain causal**: a JF step on the two-stream path (``2B`` causal rows: noisy + clean streams,
-   KL + AR loss) divided by a plain next-token step over the same number of tokens (``2B`` rows of the
-   same length, CE on every token). Target: <= 1.1.
-2. **two-stream / dense**: the same JF batch through the two-stream path vs the dense-mask path
-   (packed ``[prompt, noisy B1, clean B1, ...]`` with an explicit ``nc`` mask).
-3. **packed / per-block**: one packed two-stream pass over all ``N`` blocks divided by ``N`` separate
-   passes, pass ``j`` running the two streams truncated after block ``j`` with the loss on block ``j``
-   only (recomputing the shared prefix each time). Target: packed >= N/2 times faster.
+* **JF (loss rows)** -- today's training step: two-stream path (``2B`` causal rows, noisy + clean streams),
+  the output layer only on the loss rows (student, teacher and AR positions; no prompt rows) and the
+  KL + AR loss fused with it in chunks of ``--loss-chunk-size`` rows
+  (:mod:`megatron_jf.training.output_head`).
+* **JF (full rows)** -- the step before: the output layer over all ``2B x S`` rows, then the unchunked
+  vocab-parallel KL / CE on the gathered logits (``--no-before`` skips it).
+* **causal (unique tokens)** -- a plain next-token step (full logits, CE on every token) over the *unique*
+  tokens of the same batch: ``B`` rows of ``P + 2R`` tokens (prompt counted once, noisy and clean
+  response). Target: JF (loss rows) <= 1.1x.
+* **JF dense** -- the same batch through the dense-mask path (packed ``[prompt, noisy B1, clean B1, ...]``
+  with an explicit ``nc`` mask), loss rows.
+* **per-block passes** -- ``N`` separate passes, pass ``j`` running the two streams truncated after block
+  ``j`` with the loss on block ``j`` only. Target: the packed step >= N/2 times faster.
 
 Usage::
 
-    python bench/train_step.py                      # defaults: N=8 blocks of 16, prompt 64, batch 4
-    python bench/train_step.py --threads 2 --reps 7 --hidden 512 --layers 8
+    python bench/train_step.py                      # defaults: N=8 blocks of 16, prompt 64, batch 4, vocab 4096
+    python bench/train_step.py --threads 2 --reps 7 --hidden 512 --layers 8 --vocab 32768
 """
 
 from __future__ import annotations
@@ -61,7 +69,11 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement (median)")
+    p.add_argument("--loss-chunk-size", type=int, default=None,
+                   help="loss rows per chunk (default: the trainer's --loss-chunk-size default)")
+    p.add_argument("--no-before", action="store_true", help="skip the full-row (before) JF step")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement")
+    p.add_argument("--stat", choices=("min", "median"), default="min", help="statistic over the repetitions")
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -75,8 +87,11 @@ def main(argv=None):
     from megatron_jf.models.hf_config import ModelArgs
     from megatron_jf.testing import tiny_hf_config
     from megatron_jf.training.attention_paths import build_jf_batch, jf_forward
-    from megatron_jf.training.losses import LossConfig, ar_loss, jf_loss
+    from megatron_jf.training.losses import DEFAULT_LOSS_CHUNK, LossConfig, ar_loss, jf_loss, loss_temporary_bytes
+    from megatron_jf.training.memstats import peak_bytes
+    from megatron_jf.training.output_head import forward_loss_rows, head_loss, output_weight
 
+    chunk = DEFAULT_LOSS_CHUNK if a.loss_chunk_size is None else a.loss_chunk_size
     hf = tiny_hf_config("qwen2", vocab=a.vocab, hidden=a.hidden, layers=a.layers, heads=a.heads,
                         kv_heads=max(1, a.heads // 4), ffn=int(2.75 * a.hidden), max_pos=4096)
     args = ModelArgs.from_hf_dict(hf.to_dict())
@@ -90,8 +105,9 @@ def main(argv=None):
     two = build_jf_batch(packed, path="two_stream", mask="nc").to(dev)
     dense = build_jf_batch(packed, path="dense", mask="nc").to(dev)
     R, S = two.tokens.shape
-    plain_tokens = torch.randint(0, a.vocab, (R, S + 1), generator=torch.Generator().manual_seed(1)).to(dev)
-    plain_pos = torch.arange(S, device=dev).expand(R, S)
+    U = a.prompt + 2 * a.blocks * a.block_size  # unique tokens per sample: prompt once, noisy + clean response
+    causal_tokens = torch.randint(0, a.vocab, (a.batch, U + 1), generator=torch.Generator().manual_seed(1)).to(dev)
+    causal_pos = torch.arange(U, device=dev).expand(a.batch, U)
 
     # per-block passes: pass j = both streams up to the end of block j, loss on block j only
     from megatron_jf.data.trajectory import TrajectoryRecord
@@ -114,13 +130,23 @@ def main(argv=None):
         if platform.HAVE_CUDA:
             torch.cuda.synchronize()
 
-    def jf_step(batch):
+    def jf_rows(batch):
+        rows = forward_loss_rows(model, batch)
+        loss, _ = head_loss(rows, output_weight(model), batch, cfg, args.vocab_size, chunk_size=chunk)
+        (loss / batch.num_samples).backward()
+
+    def _jf_rows_chunk(ch):
+        rows = forward_loss_rows(model, two)
+        loss, _ = head_loss(rows, output_weight(model), two, cfg, args.vocab_size, chunk_size=ch)
+        (loss / two.num_samples).backward()
+
+    def jf_full(batch):
         loss, _ = jf_loss(jf_forward(model, batch), cfg)
         (loss / batch.num_samples).backward()
 
-    def plain_step():
-        logits = model(plain_tokens[:, :-1], plain_pos, None, runtime_gather_output=False)
-        loss, n, _ = ar_loss(logits, plain_tokens[:, 1:], vocab_size=args.vocab_size)
+    def causal_step():
+        logits = model(causal_tokens[:, :-1], causal_pos, None, runtime_gather_output=False)
+        loss, n, _ = ar_loss(logits, causal_tokens[:, 1:], vocab_size=args.vocab_size)
         (loss / n).backward()
 
     def run_once(fn):
@@ -134,28 +160,56 @@ def main(argv=None):
 
     def per_block_step():
         for b in per_block:
-            jf_step(b)
+            jf_rows(b)
 
+    fns = {"jf": lambda: jf_rows(two), "full": lambda: jf_full(two), "causal": causal_step,
+           "dense": lambda: jf_rows(dense), "blocks": per_block_step}
+    if a.no_before:
+        del fns["full"]
+    labels = {"jf": "JF two-stream, loss rows (after)", "full": "JF two-stream, full rows (before)",
+              "causal": "causal, unique tokens", "dense": "JF dense, loss rows", "blocks": f"{a.blocks} per-block passes"}
+    # peak memory of one forward + loss + backward each (gradients set to None first, so they count alike)
+    peak = {}
+    for k in ("jf", "full", "causal", "dense"):
+        if k in fns:
+            opt.zero_grad(set_to_none=True)
+            peak[k] = peak_bytes(fns[k], device=dev)[0]
+    small = max(1, min(128, chunk or 128))
+    opt.zero_grad(set_to_none=True)
+    peak_small = peak_bytes(lambda: _jf_rows_chunk(small), device=dev)[0]
     # interleaved repetitions (a shared machine's load hits every variant alike); first round = warm-up
-    fns = {"jf": lambda: jf_step(two), "plain": plain_step, "dense": lambda: jf_step(dense), "blocks": per_block_step}
     times = {k: [] for k in fns}
     for rep in range(a.reps + 1):
         for k, fn in fns.items():
             t = run_once(fn)
             if rep:
                 times[k].append(t)
-    t_jf, t_plain, t_dense, t_blocks = (statistics.median(times[k]) for k in ("jf", "plain", "dense", "blocks"))
+    stat = min if a.stat == "min" else statistics.median
+    med = {k: stat(v) for k, v in times.items()}
     n_params = sum(p.numel() for p in model.parameters())
+    C, M = len(two.pc_targets), len(two.ar_targets)
+    loss_rows = 2 * C + M
     print(f"model: {n_params / 1e6:.2f}M params (hidden {a.hidden}, {a.layers} layers, vocab {a.vocab}), "
           f"{a.threads} thread(s), device {dev}")
     print(f"batch: {a.batch} samples x (prompt {a.prompt} + {a.blocks} blocks x {a.block_size}); "
-          f"two-stream rows {R} x {S} = {R * S} tokens; dense rows {dense.tokens.shape[0]} x {dense.tokens.shape[1]}")
-    print(f"step times (median of {a.reps}): JF two-stream {t_jf * 1e3:.1f} ms | plain causal {t_plain * 1e3:.1f} ms"
-          f" | JF dense {t_dense * 1e3:.1f} ms | {a.blocks} per-block passes {t_blocks * 1e3:.1f} ms")
-    print(f"JF step / plain causal step (same tokens): {t_jf / t_plain:.3f}   (target <= 1.1)")
-    print(f"two-stream / dense-mask path:            {t_jf / t_dense:.3f}")
-    print(f"packed / {a.blocks} per-block passes:            {t_jf / t_blocks:.3f}   "
-          f"(speed-up {t_blocks / t_jf:.2f}x, target >= {a.blocks / 2:.1f}x)")
+          f"two-stream rows {R} x {S} = {R * S} tokens ({loss_rows} loss rows: {C} student + {C} teacher + {M} AR; "
+          f"chunk {chunk or 'all'}); causal over unique tokens {a.batch} x {U} = {a.batch * U}; "
+          f"dense rows {dense.tokens.shape[0]} x {dense.tokens.shape[1]}")
+    mib = 2.0 ** 20
+    for k in fns:
+        mem = f"   peak {peak[k] / mib:7.1f} MiB" if k in peak else ""
+        print(f"  {labels[k]:<36} {med[k] * 1e3:8.1f} ms ({a.stat} of {a.reps}){mem}")
+    print(f"  {'JF two-stream, loss rows, chunk ' + str(small):<36} {'':>8}    (memory only)  peak {peak_small / mib:7.1f} MiB")
+    print(f"loss temporaries (formula, losses.loss_temporary_bytes): after {loss_temporary_bytes(loss_rows, a.vocab, chunk, hidden=a.hidden) / mib:.1f} MiB"
+          f" vs one chunk of all {R * S} rows {loss_temporary_bytes(R * S, a.vocab, None) / mib:.1f} MiB")
+    print(f"JF step (loss rows) / causal step over the unique tokens: {med['jf'] / med['causal']:.3f}   (target <= 1.1)")
+    if "full" in fns:
+        print(f"JF step loss rows / full rows (after / before):          time {med['jf'] / med['full']:.3f}, "
+              f"peak memory {peak['jf'] / peak['full']:.3f}")
+    print(f"JF peak memory / causal step peak memory:                {peak['jf'] / peak['causal']:.3f}")
+    print(f"two-stream / dense-mask path:                            {med['jf'] / med['dense']:.3f}")
+    print(f"packed / {a.blocks} per-block passes:                            {med['jf'] / med['blocks']:.3f}   "
+          f"(speed-up {med['blocks'] / med['jf']:.2f}x, target >= {a.blocks / 2:.1f}x)")
     parallel.destroy()
 
 
