@@ -46,7 +46,8 @@ class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpF
     """Keep the module docstring's layout and show every flag's default."""
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser (every flag's help shows its default)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
     p.add_argument("--load", required=True, help="megatron-jf checkpoint directory")
     p.add_argument("--tokenizer", default=None, help="tokenizer path; None means CKPT/tokenizer")
@@ -79,7 +80,11 @@ def parse_args(argv=None):
     d.add_argument("--verification-size", type=int, default=4, help="drafts verified per forward (mr)")
     d.add_argument("--ngram-pool-size", type=int, default=8, help="n-grams kept per first token (mr)")
     d.add_argument("--draft-init", default="context", choices=("context", "repeat"), help="initial draft tokens")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def main(argv=None) -> int:
