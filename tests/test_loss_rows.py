@@ -226,3 +226,17 @@ def test_tp2_sequence_parallel_parity_torchrun(tmp_path):
     assert len(train) == 2, out
     for _, name, loss_diff, norm_diff, steps in train:
         assert steps == "steps=3" and float(loss_diff) <= 1e-6 and float(norm_diff) <= 1e-6, (name, loss_diff, norm_diff)
+
+
+def test_trainer_flags_parse_and_reject_bad_values(tmp_path):
+    """--loss-chunk-size and --sequence-parallel reach the config; bad values are named errors."""
+    from megatron_jf.training.config import parse_config
+
+    base = ["--hf-config", str(tmp_path), "--data", str(tmp_path), "--train-steps", "1", "--block-size", "4"]
+    cfg = parse_config(base + ["--tp", "2", "--sequence-parallel", "--loss-chunk-size", "256"])
+    assert cfg.sequence_parallel and cfg.loss_chunk_size == 256
+    assert parse_config(base).loss_chunk_size == 1024 and not parse_config(base).sequence_parallel
+    with pytest.raises(ValueError, match="--sequence-parallel needs --tp > 1"):
+        parse_config(base + ["--sequence-parallel"])
+    with pytest.raises(ValueError, match="--loss-chunk-size must be >= 0"):
+        parse_config(base + ["--loss-chunk-size", "-1"])

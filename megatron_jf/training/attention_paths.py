@@ -33,6 +33,12 @@ Paths (``--attention-path``):
 Everything that depends on the data (gather indices of the consistency pairs and AR positions) is
 computed on the CPU in :func:`build_jf_batch`, so the training step only does index gathers -- no
 per-token Python loops and no host synchronisation.
+
+Output layer: :func:`forward_model` returns logits over every row (the reference, and the path
+:func:`gather_jf_logits` / :func:`jf_forward` read). The trainer instead runs every path through
+:func:`megatron_jf.training.output_head.forward_loss_rows`, which returns the hidden states of the loss
+rows only (the same gather indices), and the output layer + loss run on them in chunks
+(``--loss-chunk-size``); with ``--sequence-parallel`` the rows are gathered from the sequence shards.
 """
 
 from __future__ import annotations
