@@ -426,14 +426,17 @@ class BatchSession:
         toks = torch.zeros(m, s, dtype=torch.long)
         pos = torch.zeros(m, s, dtype=torch.long)
         tree = None
+        branches = None
         if any(r.cands for r in rows):
             tree = torch.ones(m, s, s, dtype=torch.bool).tril_()
+            branches = [[] for _ in rows]
         for i, (r, seq) in enumerate(zip(rows, seqs)):
             base = len(r.prompt) + len(r.out) - 1  # position of `last`
             toks[i, : len(seq)] = torch.tensor(seq)
             p = list(range(base, base + r.n_main))
             off = r.n_main
             for c in r.cands:
+                branches[i].append((off, len(c)))
                 p += list(range(base + 1, base + 1 + len(c)))
                 # a candidate sees `last` and itself, not the main chain or other candidates
                 tree[i, off:off + len(c), 1:off] = False
@@ -442,7 +445,8 @@ class BatchSession:
                 off += len(c)
             pos[i, : len(p)] = torch.tensor(p)
             pos[i, len(p):] = base + r.n_main  # padding: causal tail, never committed
-        logits = forward_logits(self.model, toks, pos, kv_cache=cache, new_mask=tree)
+        # branches: candidates whose first token misses the greedy prediction after `last` are not computed
+        logits = forward_logits(self.model, toks, pos, kv_cache=cache, new_mask=tree, branches=branches)
         keep = [self._update(r, logits[i], on_tokens) for i, r in enumerate(rows)]
         cache.commit(keep)
         dt = time.perf_counter() - t1

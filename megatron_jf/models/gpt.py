@@ -201,7 +201,7 @@ def attach_kv_cache(model, cache: KVCache | None):
 def forward_logits(model, tokens: torch.Tensor, position_ids: torch.Tensor, *,
                    allowed: torch.Tensor | None = None, kv_cache: KVCache | None = None,
                    new_mask: torch.Tensor | None = None, return_logits: bool = True,
-                   impl: str = "auto") -> torch.Tensor | None:
+                   impl: str = "auto", branches: list[list[tuple[int, int]]] | None = None) -> torch.Tensor | None:
     """One inference forward; returns full-vocabulary logits (gathered over TP).
 
     Runs :class:`~megatron_jf.inference.lean_forward.LeanForward` (plain tensor ops over the same
@@ -219,6 +219,13 @@ def forward_logits(model, tokens: torch.Tensor, position_ids: torch.Tensor, *,
         return_logits: False (a prefill whose logits nobody reads) skips the output layer where the
             forward allows it and returns None.
         impl: ``auto`` (lean forward when supported), ``lean`` (required) or ``megatron``.
+        branches: MR verification (paper Sec. 3.2): per batch row, ``(offset, length)`` of each recycled
+            candidate, a tree branch that sees new token 0 (``last``) and itself; the main chain is
+            new tokens ``[0, first offset)``. With one row and a cache, the forward runs in two passes:
+            the main chain first, then only the branches whose first token equals the greedy
+            prediction at token 0 -- a branch whose first token is not that prediction accepts no token
+            (greedy or sampled, since a branch wins only with a greedy match), so its rows are not
+            computed and its logits are ``-inf``. Same logits otherwise; ignored for b > 1.
 
     Returns:
         float32 logits ``[b, s, vocab]`` (vocabulary padding removed), or None with
@@ -237,10 +244,17 @@ def forward_logits(model, tokens: torch.Tensor, position_ids: torch.Tensor, *,
     m = unwrap(model)
     dev = m.embedding.word_embeddings.weight.device if m.pre_process else next(m.parameters()).device
     tokens, position_ids = tokens.to(dev), position_ids.to(dev)
+    if branches is not None and kv_cache is not None and tokens.shape[0] == 1 and branches[0] and return_logits:
+        return _forward_pruned_tree(m, tokens, position_ids, kv_cache, new_mask, impl, branches[0])
     mask = None
     if kv_cache is None and allowed is not None:
         a = allowed if allowed.dim() == 3 else allowed.unsqueeze(0)
         mask = (~a.to(dev)).unsqueeze(1)
+    return _forward(m, tokens, position_ids, mask, kv_cache, dict(num_new=tokens.shape[1], new_mask=new_mask),
+                    return_logits, impl)
+
+
+def _forward(m, tokens, position_ids, mask, kv_cache, begin_kw, return_logits, impl):
     lean = None
     if impl != "megatron":
         from megatron_jf.inference.lean_forward import LeanForward, lean_forward_for
@@ -248,7 +262,7 @@ def forward_logits(model, tokens: torch.Tensor, position_ids: torch.Tensor, *,
         lean = lean_forward_for(m) if impl == "auto" else (getattr(m, "_jf_lean_forward", None) or LeanForward(m))
     if lean is not None:
         if kv_cache is not None:
-            kv_cache.begin(tokens.shape[1], new_mask, causal_kernel=True)
+            kv_cache.begin(causal_kernel=True, **begin_kw)
             try:
                 logits = lean(tokens, position_ids, kv_cache=kv_cache, return_logits=return_logits)
             finally:
@@ -257,7 +271,7 @@ def forward_logits(model, tokens: torch.Tensor, position_ids: torch.Tensor, *,
             logits = lean(tokens, position_ids, mask=mask, return_logits=return_logits)
         return None if logits is None else logits[..., : m.vocab_size_unpadded].float()
     if kv_cache is not None:
-        kv_cache.begin(tokens.shape[1], new_mask)
+        kv_cache.begin(**begin_kw)
         try:
             with attach_kv_cache(m, kv_cache):
                 logits = m(tokens, position_ids, None, runtime_gather_output=True)
@@ -268,3 +282,27 @@ def forward_logits(model, tokens: torch.Tensor, position_ids: torch.Tensor, *,
     if not return_logits:
         return None
     return logits[..., : m.vocab_size_unpadded].float()
+
+
+def _forward_pruned_tree(m, tokens, position_ids, kv_cache, new_mask, impl, branches):
+    """Two-pass MR verification forward for one row (see ``forward_logits(branches=...)``)."""
+    s = tokens.shape[1]
+    offs = sorted(branches)
+    for o, n in offs:
+        if o < 1 or n < 1 or o + n > s:
+            raise ValueError(f"branch (offset {o}, length {n}) outside the {s} new tokens")
+    main = offs[0][0]
+    nm = None if new_mask is None else (new_mask[0] if new_mask.dim() == 3 else new_mask).to(tokens.device)
+    if nm is None:
+        nm = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril_()
+    first = _forward(m, tokens[:, :main], position_ids[:, :main], None, kv_cache,
+                     dict(num_new=main, new_mask=nm[:main, :main]), True, impl)
+    out = first.new_full((1, s, first.shape[-1]), float("-inf"))
+    out[:, :main] = first
+    g0 = int(first[0, 0].argmax())
+    live = [(o, n) for o, n in offs if int(tokens[0, o]) == g0]
+    if live:
+        idx = torch.cat([torch.arange(o, o + n) for o, n in live]).to(tokens.device)
+        out[:, idx] = _forward(m, tokens[:, idx], position_ids[:, idx], None, kv_cache,
+                               dict(num_new=int(idx.numel()), new_mask=nm[idx][None], slots=idx, region=s), True, impl)
+    return out

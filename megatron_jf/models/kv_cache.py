@@ -50,7 +50,8 @@ class KVCache:
         self._step: _Step | None = None
 
     # ------------------------------------------------------------------ forward protocol
-    def begin(self, num_new: int, new_mask: torch.Tensor | None = None, *, causal_kernel: bool = False) -> None:
+    def begin(self, num_new: int, new_mask: torch.Tensor | None = None, *, causal_kernel: bool = False,
+              slots: torch.Tensor | None = None, region: int | None = None) -> None:
         """Prepare a forward of ``num_new`` tokens per row (called by the model wrapper).
 
         Args:
@@ -60,10 +61,19 @@ class KVCache:
             causal_kernel: the caller's attention honours :attr:`step_is_causal`; then a forward
                 that is plain causal attention (every row empty, default mask: a prefill) builds no
                 mask and :attr:`step_is_causal` is True, so SDPA can run its causal kernel.
+            slots, region: a forward of part of a block (a second pass over tree branches): the ``s``
+                tokens go to slots ``lengths + slots[i]`` (int64 ``[s]``, distinct, in ``[0, region)``)
+                of a block of ``region`` new slots, some written by an earlier pass since the last
+                commit; ``new_mask`` (required) is then bool ``[B|1, s, region]`` over the whole block.
+                Needs equal committed lengths on every row.
 
         Raises:
-            ValueError: the block does not fit in ``max_len`` slots, or a bad mask shape.
+            ValueError: the block does not fit in ``max_len`` slots, a bad mask shape, or ``slots``
+                with unequal row lengths, a missing mask or out-of-range slots.
         """
+        if slots is not None:
+            self._begin_slots(num_new, new_mask, slots, region)
+            return
         s = num_new
         end = self.lengths + s
         kv_len = int(end.max())
@@ -99,6 +109,26 @@ class KVCache:
             write_idx = starts[:, None] + torch.arange(s, device=device)[None, :]  # [B, s]
             self._step = _Step(s, kv_len, mask.unsqueeze(1), None, write_idx)
 
+    def _begin_slots(self, s, new_mask, slots, region):
+        if region is None or region < s:
+            raise ValueError(f"begin(slots=...) needs region >= {s} new slots, got {region}")
+        if not bool((self.lengths == self.lengths[0]).all()):
+            raise ValueError("begin(slots=...) needs equal committed lengths on every row")
+        slots = torch.as_tensor(slots, dtype=torch.long)
+        if slots.shape != (s,) or int(slots.min()) < 0 or int(slots.max()) >= region or slots.unique().numel() != s:
+            raise ValueError(f"slots must be {s} distinct offsets in [0, {region}), got {slots.tolist()}")
+        if new_mask is None or new_mask.dtype != torch.bool or new_mask.shape[-2:] != (s, region):
+            raise ValueError(f"begin(slots=...) needs a bool new_mask [B|1, {s}, {region}]")
+        start = int(self.lengths[0])
+        kv_len = start + region
+        if kv_len > self.max_len:
+            raise ValueError(f"KV cache overflow: {kv_len} slots needed, cache holds {self.max_len}")
+        device = self.k.device
+        nm = (new_mask if new_mask.dim() == 3 else new_mask.unsqueeze(0)).to(device)
+        committed = torch.ones(nm.shape[0], s, start, dtype=torch.bool, device=device)
+        mask = torch.cat([committed, nm], dim=-1).unsqueeze(1)  # [B|1, 1, s, start+region]
+        self._step = _Step(s, kv_len, mask, None, None, write_pos=(start + slots).to(device))
+
     def update(self, slot: int, k: torch.Tensor, v: torch.Tensor):
         """Write this forward's keys/values for layer ``slot`` and return what attention needs.
 
@@ -114,7 +144,10 @@ class KVCache:
         st = self._step
         if st is None:
             raise RuntimeError("KVCache.update called outside a forward (call begin() first)")
-        if st.start is not None:
+        if st.write_pos is not None:
+            self.k[slot].index_copy_(2, st.write_pos, k.to(self.k.dtype))
+            self.v[slot].index_copy_(2, st.write_pos, v.to(self.v.dtype))
+        elif st.start is not None:
             self.k[slot, :, :, st.start:st.start + st.s] = k
             self.v[slot, :, :, st.start:st.start + st.s] = v
         else:
@@ -186,8 +219,8 @@ class KVCache:
 
 
 class _Step:
-    __slots__ = ("s", "kv_len", "mask", "start", "write_idx", "causal")
+    __slots__ = ("s", "kv_len", "mask", "start", "write_idx", "causal", "write_pos")
 
-    def __init__(self, s, kv_len, mask, start, write_idx, causal=False):
+    def __init__(self, s, kv_len, mask, start, write_idx, causal=False, write_pos=None):
         self.s, self.kv_len, self.mask, self.start, self.write_idx = s, kv_len, mask, start, write_idx
-        self.causal = causal
+        self.causal, self.write_pos = causal, write_pos
