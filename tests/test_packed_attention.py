@@ -214,7 +214,7 @@ def _te_cuda():
 @pytest.mark.skipif(not _te_cuda(), reason="needs Transformer Engine and CUDA")
 def test_te_packed_attention_equals_sdpa(mp1):
     """TE's fused padding_causal THD attention (bf16) matches the per-segment SDPA reference; TE's
-    arbitrary-mask attention matches SDPA with the same boolean mask."""
+    arbitrary-mask attention (opt-in) matches SDPA with the same boolean mask."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from megatron_jf.models.attention import JFCoreAttention, packed_causal_sdpa
@@ -239,6 +239,7 @@ def test_te_packed_attention_equals_sdpa(mp1):
     mask = torch.rand(2, 1, 64, 64, generator=g, device="cuda") > 0.5
     mask[..., torch.arange(64), torch.arange(64)] = False  # every query sees itself
     qs, ks, vs = (x[:128].reshape(64, 2, *x.shape[1:]) for x in (q, k, v))
+    core.te_arbitrary_mask = True
     te_m = core(qs, ks, vs, mask).float()
     core.use_te = False
     sd_m = core(qs.float(), ks.float(), vs.float(), mask)

@@ -23,11 +23,15 @@ Modes, chosen per forward:
 
 Backends. With Transformer Engine and CUDA present (:data:`megatron_jf.platform.HAVE_TE`) the packed
 mode runs TE's fused attention (megatron-core ``TEDotProductAttention``, ``qkv_format="thd"``, mask type
-``padding_causal``: FlashAttention/cuDNN varlen kernels, no padding, no ``[L, L]`` mask) and the masked
-mode runs TE's arbitrary-mask attention (``AttnMaskType.arbitrary``). Otherwise (CPU, or
-``MEGATRON_JF_DISABLE_TE=1``) both run torch SDPA: packed as one causal SDPA per segment. The causal
-and cached modes always use SDPA (FlashAttention inside SDPA on GPU). The TE module holds no
-parameters and is kept out of the module tree, so checkpoints are identical with and without TE.
+``padding_causal``: FlashAttention/cuDNN varlen kernels, no padding, no ``[L, L]`` mask). Otherwise (CPU,
+or ``MEGATRON_JF_DISABLE_TE=1``) it runs one causal torch SDPA per segment. The masked mode runs torch
+SDPA by default: on CUDA, SDPA with a boolean mask takes its memory-efficient kernel (``O(L)`` saved
+activations), whereas TE's arbitrary-mask attention (``AttnMaskType.arbitrary``) is served only by TE's
+*unfused* backend (TE's backend selection disables FlashAttention and FusedAttention for arbitrary
+masks), which materialises ``[b, h, L, L]`` scores. TE's arbitrary-mask path is there for comparison:
+``MEGATRON_JF_TE_ARBITRARY_MASK=1`` (or ``module.te_arbitrary_mask = True``) selects it. The causal and
+cached modes always use SDPA (FlashAttention inside SDPA on GPU). The TE module holds no parameters and
+is kept out of the module tree, so checkpoints are identical with and without TE.
 
 Shapes: query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` (np/ng = heads/KV groups on this TP
 rank); output ``[sq, b, np * hn]``. Packed mode (megatron squeezes the dummy batch dimension):
@@ -42,6 +46,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+
+import os
 
 from megatron_jf import platform
 
@@ -71,6 +77,8 @@ class JFCoreAttention(MegatronModule):
         self.cache_slot = -1
         #: None = automatic (TE when platform.HAVE_TE and the inputs are on CUDA); False = always SDPA.
         self.use_te: bool | None = None
+        #: Masked mode through TE's arbitrary-mask (unfused) attention instead of SDPA (see module docstring).
+        self.te_arbitrary_mask: bool = os.environ.get("MEGATRON_JF_TE_ARBITRARY_MASK") == "1"
 
     def _te_enabled(self, query: torch.Tensor) -> bool:
         if self.use_te is False or not platform.HAVE_TE or not query.is_cuda:
@@ -105,7 +113,7 @@ class JFCoreAttention(MegatronModule):
                 return self._te_attention()(query, key, value, None, attn_mask_type=AttnMaskType.padding_causal,
                                             packed_seq_params=packed_seq_params)
             return packed_causal_sdpa(query, key, value, packed_seq_params.cu_seqlens_q, self.softmax_scale)
-        if attention_mask is not None and self.kv_cache is None and self._te_enabled(query):
+        if attention_mask is not None and self.kv_cache is None and self.te_arbitrary_mask and self._te_enabled(query):
             return self._te_attention()(query, key, value, attention_mask, attn_mask_type=AttnMaskType.arbitrary)
         sq, b, nh, hd = query.shape
         q = query.permute(1, 2, 0, 3)

@@ -23,12 +23,13 @@ Paths (``--attention-path``):
   ``pad_to_multiple_of``). The core attention (:mod:`megatron_jf.models.attention`) runs each segment
   causally: Transformer Engine's fused ``padding_causal`` attention when present, one SDPA per segment on
   CPU. Logits equal ``two_stream`` (tests); no compute on row padding. ``nc_ic`` / ``clean``: the dense
-  layout and mask (as ``dense``), run through TE's arbitrary-mask attention when TE is present.
+  layout and mask (as ``dense``; SDPA's memory-efficient kernel on CUDA, or TE's arbitrary-mask attention
+  with ``MEGATRON_JF_TE_ARBITRARY_MASK=1``, see :mod:`megatron_jf.models.attention`).
 * ``flex``: not implemented. On CPU FlexAttention is slower than SDPA with a dense boolean mask
   (measured, torch 2.13, ``[4, 8, 320, 32]``, 1 thread: eager 84 ms, ``torch.compile`` 12 ms, SDPA with
   the dense mask 5.5 ms), and the core attention (``megatron_jf.models.attention``) has no ``BlockMask``
-  mode. With Transformer Engine present, masked (``dense``, and ``packed`` with ``nc_ic``/``clean``)
-  attention already runs TE's arbitrary-mask attention (``AttnMaskType.arbitrary``) in the core attention.
+  mode. TE's arbitrary-mask attention (``AttnMaskType.arbitrary``) is available in the core attention
+  (opt-in, ``MEGATRON_JF_TE_ARBITRARY_MASK=1``); TE serves it only with its unfused backend.
 
 Everything that depends on the data (gather indices of the consistency pairs and AR positions) is
 computed on the CPU in :func:`build_jf_batch`, so the training step only does index gathers -- no
