@@ -52,6 +52,25 @@ def _megatron_from_hf(hf):
     return m
 
 
+def hf_twin(model):
+    """A ``transformers`` model (fp32, eval) holding the same weights as the TP=1 megatron ``model``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_jf.models.convert import mcore_to_hf
+    from megatron_jf.models.gpt import unwrap
+
+    m = unwrap(model)
+    args = m.model_args
+    d = args.to_hf_dict()
+    cfg = AutoConfig.for_model(d.pop("model_type"), **d)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    hf.load_state_dict(mcore_to_hf([[m.state_dict()]], args), strict=not args.tie_word_embeddings)
+    if args.tie_word_embeddings:
+        hf.tie_weights()
+    return hf
+
+
 def load_smollm2(hf_dir: str, num_prompts: int):
     """(hf model, megatron model, prompts, label): SmolLM2 on HumanEval chat prompts."""
     import torch
@@ -90,18 +109,10 @@ def load_tiny(explicit: str | None, num_prompts: int, prompt_len: int = 64):
     path = _find_model_a(explicit)
     g = torch.Generator().manual_seed(0)
     if path:  # a trained megatron checkpoint; transformers gets the same weights through mcore_to_hf
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         from megatron_jf.checkpointing import load_model
-        from megatron_jf.models.convert import mcore_to_hf
 
         m, args, _ = load_model(path)
-        d = args.to_hf_dict()
-        cfg = AutoConfig.for_model(d.pop("model_type"), **d)
-        hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-        hf.load_state_dict(mcore_to_hf([[m.state_dict()]], args), strict=not args.tie_word_embeddings)
-        if args.tie_word_embeddings:
-            hf.tie_weights()
+        hf = hf_twin(m)
         prompts = [torch.randint(1, args.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(num_prompts)]
         return hf, m, prompts, f"model A ({path}), random-token prompts"
     hf = tiny_hf_model("qwen2", seed=0, scale=0.05, vocab=MODEL_A["vocab"], hidden=MODEL_A["hidden"],
