@@ -57,7 +57,7 @@ def test_every_option_has_help_that_shows_its_default():
         shown = fmt._get_help_string(action)
         if "%(default)" in shown:
             shown = shown % {"default": action.default}
-        assert "default" in shown.lower() or "(required)" in shown, (action.option_strings, shown)
+        assert "default:" in shown.lower() or "(required)" in shown, (action.option_strings, shown)
         seen.add(action.dest)
     # every option maps onto a TrainConfig field (parse_config would silently drop it otherwise)
     assert seen <= names, seen - names

@@ -311,11 +311,11 @@ class TrainConfig:
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every option's help ends with its default: ``(default: X)``, or ``(required)``; a help text that
-    already states its default (e.g. "default: 3% of --train-steps") is left as written."""
+    already states its default ("default: 3% of --train-steps") is left as written."""
 
     def _get_help_string(self, action):
         h = action.help or ""
-        if "default" in h.lower() or action.default is argparse.SUPPRESS:
+        if "default:" in h.lower() or action.default is argparse.SUPPRESS:
             return h
         if action.required:
             return h + " (required)"
@@ -444,18 +444,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="samples per optimizer step over all DP ranks; a multiple of micro-batch-size x dp "
                         "(default: micro-batch-size x dp)")
-    g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
-    g.add_argument("--min-lr", type=float, default=d.min_lr, help="final learning rate of the cosine decay")
+    g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (paper Sec. 4.1: 1e-6; 1e-5 is the official code's n=32 script)")
+    g.add_argument("--min-lr", type=float, default=d.min_lr, help="final learning rate of the cosine decay (official code: 0)")
     g.add_argument("--warmup-steps", "--lr-warmup-iters", dest="warmup_steps", type=int, default=None,
-                   help="linear warmup steps (default: 3%% of --train-steps)")
+                   help="linear warmup steps (default: 3%% of --train-steps, official code; the paper states none)")
     g.add_argument("--train-steps", "--train-iters", dest="train_steps", type=int, required=True,
                    help="optimizer steps to train")
     g.add_argument("--weight-decay", type=float, default=d.weight_decay,
-                   help="AdamW decoupled weight decay on matrices (none on biases and norms)")
+                   help="AdamW decoupled weight decay on matrices, none on biases and norms (official code's effective value)")
     g.add_argument("--adam-beta1", type=float, default=d.adam_beta1, help="AdamW beta1")
     g.add_argument("--adam-beta2", type=float, default=d.adam_beta2, help="AdamW beta2")
     g.add_argument("--adam-eps", type=float, default=d.adam_eps, help="AdamW epsilon")
-    g.add_argument("--clip-grad", type=float, default=d.clip_grad, help="global gradient-norm clip (0 disables)")
+    g.add_argument("--clip-grad", type=float, default=d.clip_grad, help="global gradient-norm clip, 0 disables (official code: HF Trainer's 1.0)")
 
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None, help="checkpoint dir (resumes from its latest checkpoint)")
