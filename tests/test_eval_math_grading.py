@@ -200,3 +200,67 @@ def test_symbolic_backends(backend):
     assert equivalence_method("x+1", "x-1", backend=backend) is None
     with pytest.raises(ValueError, match="backend"):
         equivalence_method("x+1", "x-1", backend="mathematica")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# LaTeX extraction before the last number; CPU-time limit, ungraded timeouts, verdicts independent of load
+
+
+def test_latex_answer_is_not_read_as_its_last_number():
+    assert extract_answer(r"So the ratio is \dfrac{23}{7}.") == r"\dfrac{23}{7}"
+    assert grade_math(r"So the ratio is \dfrac{23}{7}.", r"\frac{23}{7}").correct
+    assert not grade_math(r"So the ratio is \dfrac{23}{7}.", "7").correct
+    assert grade_math(r"hence $x = \sqrt{2}$ in total 3", r"\sqrt{2}").correct  # math-verify's LaTeX extraction
+    assert extract_answer(r"the value is $\frac{1}{2}$, then $\frac{3}{4}$ remain") == r"\frac{3}{4}"
+    assert extract_answer(r"so we get -2\sqrt{3}") == r"-2\sqrt{3}"
+    # a number after the fraction is still the answer; in GSM8K "$" is currency, not LaTeX
+    assert extract_answer(r"half, \frac{1}{2}, of 60 is 30", "gsm8k") == "30"
+    assert extract_answer("She earned $10 and then $20 so 30 total.", "gsm8k") == "30"
+
+
+def test_symbolic_timeout_is_ungraded_not_wrong(monkeypatch):
+    from megatron_jf.eval import math_grading as mg
+    from megatron_jf.eval.benchmarks import Problem
+    from megatron_jf.eval.scoring import aggregate, score
+
+    def spin(*_):
+        while True:
+            pass
+
+    monkeypatch.setattr(mg, "_math_verify_equal", spin)
+    monkeypatch.setattr(mg, "_sympy_equal", spin)
+    g = grade_math(r"\boxed{x^2+2x+1}", "(x+1)^2", timeout_s=0.3)
+    assert g.ungraded and not g.correct and g.method == "timeout" and "CPU seconds" in g.note
+    with pytest.raises(mg.SymbolicTimeout):
+        answers_equivalent("x^2+2x+1", "(x+1)^2", timeout_s=0.3)
+    probs = [Problem(task_id=f"m{i}", benchmark="math", prompt="?", answer=a) for i, a in enumerate(["(x+1)^2", "5"])]
+    scores = [score(probs[0], r"\boxed{x^2+2x+1}", math_timeout_s=0.3), score(probs[1], r"\boxed{5}")]
+    assert scores[0].status == "ungraded" and "UNGRADED" in scores[0].message
+    agg = aggregate(scores)["math"]
+    assert agg["ungraded"] == 1 and agg["ungraded_ids"] == ["m0"]
+    assert agg["accuracy"] == 1.0 and agg["n"] == 2 and agg["correct"] == 1  # accuracy over graded items only
+    assert grade_math(r"\boxed{5}", "5", timeout_s=0.3).correct  # the grader keeps working afterwards
+
+
+LOAD_PAIRS = [(r"\boxed{x^2+2x+1}", "(x+1)^2", True), (r"\boxed{2\sqrt{3}}", r"\sqrt{12}", True),
+              (r"\boxed{\frac{x^2-1}{x-1}}", "x+1", True), (r"\boxed{x^2+1}", "(x+1)^2", False),
+              (r"\boxed{\sin^2 x + \cos^2 x}", "1", True), (r"\boxed{\frac{1}{\sqrt{2}}}", r"\frac{\sqrt{2}}{2}", True)]
+
+
+def test_grading_verdicts_do_not_depend_on_machine_load():
+    import subprocess
+    import sys
+
+    def verdicts():
+        return [grade_math(p, g).correct for p, g, _ in LOAD_PAIRS]
+
+    alone = verdicts()
+    assert alone == [want for _, _, want in LOAD_PAIRS]
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
+    try:
+        busy = [verdicts() for _ in range(2)]
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+    assert busy == [alone, alone]

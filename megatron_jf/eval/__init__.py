@@ -5,7 +5,10 @@ Modules:
 * :mod:`.benchmarks` - offline loaders for HumanEval, MBPP, GSM8K, MATH, MATH-500 and local JSONL files.
 * :mod:`.prompts` - the paper's prompts, chat-template rendering, prompt-set hashes.
 * :mod:`.code_exec` - code extraction and sandboxed subprocess execution (pass@1).
-* :mod:`.math_grading` - final-answer extraction, normalisation and equivalence.
+* :mod:`.sandbox` - OS isolation of generated code (bubblewrap namespaces, unprivileged uid).
+* :mod:`.verdict` - HumanEval/MBPP checks run outside the sandbox against the candidate's returned values.
+* :mod:`.math_grading` - final-answer extraction, normalisation and equivalence (CPU-time limited).
+* :mod:`.degenerate` - flags for degenerate output (one repeated token) next to TPF and speedup.
 * :mod:`.scoring` - per-benchmark scoring, aggregation, resumable JSONL results.
 
 Nothing here imports torch or downloads data.

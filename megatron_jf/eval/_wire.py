@@ -3,8 +3,8 @@
 Its source is also prepended to the sandbox child's source (``_sandbox_child.py``), so it must stay
 self-contained (standard library only, no relative imports).
 
-A value is encoded as a JSON tree of tagged lists: ``["n"]`` None, ``["b", bool]``, ``["i", "123"]`` int (as a
-decimal string, any size), ``["f", "0.1"]`` float (``repr``, so ``nan``/``inf`` survive), ``["c", re, im]``,
+A value is encoded as a JSON tree of tagged lists: ``["n"]`` None, ``["b", bool]``, ``["i", "7b"]`` int (as a
+hexadecimal string, any size), ``["f", "0.1"]`` float (``repr``, so ``nan``/``inf`` survive), ``["c", re, im]``,
 ``["s", str]``, ``["y", hex]`` bytes, ``["ba", hex]`` bytearray, ``["l", [...]]`` list, ``["t", [...]]`` tuple,
 ``["set", [...]]``, ``["fs", [...]]`` frozenset, ``["d", [[k, v], ...]]`` dict, ``["r", start, stop, step]``
 range, ``["q", num, den]`` Fraction, ``["dec", str]`` Decimal, ``["it", [...]]`` any other iterator (a generator,
@@ -63,7 +63,7 @@ def encode(obj, _depth=0, _count=None):
     if isinstance(obj, bool):
         return ["b", bool.__bool__(obj)]
     if isinstance(obj, int):
-        return ["i", int.__repr__(obj)]
+        return ["i", int.__format__(obj, "x")]  # hex: no int/str digit limit (CPython 3.11+)
     if isinstance(obj, float):
         return ["f", float.__repr__(obj)]
     if isinstance(obj, complex):
@@ -133,9 +133,9 @@ def decode(tree, _depth=0, _count=None):
         if tag == "b":
             return bool(args[0]) if type(args[0]) is bool else _bad(tree)
         if tag == "i":
-            if type(args[0]) is not str or len(args[0]) > 5000:
+            if type(args[0]) is not str or len(args[0]) > 100_000:
                 _bad(tree)
-            return int(args[0])
+            return int(args[0], 16)
         if tag == "f":
             return float(str(args[0]))
         if tag == "c":

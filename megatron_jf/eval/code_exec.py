@@ -14,16 +14,21 @@ Program assembly:
 * MBPP (:func:`build_mbpp_program`): code, ``test_setup_code``, then the ``assert`` lines.
 
 Execution (:func:`run_program`) never happens in the evaluator's process. Each program runs in a fresh
-``python -I -B`` subprocess whose cwd is a new temporary directory (deleted afterwards), in its own session so the
-whole process group is killed (``SIGKILL``) on the wall-clock timeout. Inside the child (see
-``_sandbox_child.py``): ``RLIMIT_AS`` (bytes), ``RLIMIT_CPU`` (seconds), ``RLIMIT_FSIZE`` (bytes), ``RLIMIT_NPROC``
-(0: no new processes/threads for non-root users), no core dumps, stdin/stdout on ``/dev/null``, and an audit hook
-that refuses writes/deletes/renames outside the temp dir, process creation (``os.system``, ``subprocess``,
-``fork``/``exec``/``spawn``), ``os.kill``, sockets, ``ctypes`` calls and ``setrlimit``. ``if __name__ ==
-"__main__":`` blocks of the solution do not run, and ``sys.exit()`` before the tests finish is a failure.
+``python -I -B`` child that, by default (``isolation="os"``), is started through bubblewrap in its own user, mount,
+PID, network, IPC and UTS namespaces as uid 65534, with a read-only ``/usr`` and interpreter, no view of the host's
+other files, no network, and a private size-limited tmpfs ``/tmp`` (cwd ``/tmp/jf_work``) that disappears with it
+(:mod:`megatron_jf.eval.sandbox`); on the wall-clock timeout its process group is killed (``SIGKILL``), which takes
+down its PID namespace and every process in it. Inside the child (see ``_sandbox_child.py``): ``RLIMIT_AS``
+(bytes), ``RLIMIT_CPU`` (seconds), ``RLIMIT_FSIZE`` (bytes), ``RLIMIT_NPROC`` (0: no new processes/threads), no core
+dumps, stdin/stdout on ``/dev/null``, and an audit hook that refuses writes/deletes/renames outside the work dir,
+process creation, ``os.kill``, sockets, ``ctypes`` calls and ``setrlimit`` (defence in depth: code in the same
+process can switch it off; the namespaces are the boundary). ``if __name__ == "__main__":`` blocks of the solution
+do not run, and ``sys.exit()`` before the tests finish is a failure. Where namespaces do not work,
+:class:`SandboxUnavailable` is raised unless ``isolation="none"`` is passed (plain subprocess, audit hook only).
 
-This is a guard against accidents of generated code, not a security boundary against adversarial code; run
-untrusted workloads in a container as well.
+The verdict of :func:`run_program` is the program's own result line, which code that defeats the audit hook can
+forge; benchmark scoring therefore uses :mod:`megatron_jf.eval.verdict`, where the tests run outside the sandbox
+and only the candidate's returned values cross over.
 
 Result statuses: ``"passed"``; ``"failed"`` (an exception such as ``AssertionError``, ``SyntaxError``, an early
 ``exit``); ``"timeout"`` (wall clock or CPU limit); ``"error"`` (memory limit, sandbox violation, crash, or the

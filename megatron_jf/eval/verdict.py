@@ -55,7 +55,7 @@ from .code_exec import (
 __all__ = ["CandidateError", "CandidateProxy", "SandboxSession", "Unsplittable", "verify_humaneval", "verify_mbpp"]
 
 #: largest reply line accepted from the sandbox, bytes
-MAX_REPLY_BYTES = 64 << 20
+MAX_REPLY_BYTES = 16 << 20
 _TEST_FILE = "<test>"
 
 
@@ -63,11 +63,13 @@ class CandidateError(Exception):
     """The candidate's function raised an exception that is not a built-in ``Exception`` subclass."""
 
 
-class Unsplittable(Exception):
-    """This check cannot be run with the candidate behind a proxy (e.g. an argument cannot be transferred)."""
+class Unsplittable(BaseException):
+    """This check cannot be run with the candidate behind a proxy (e.g. an argument cannot be transferred).
+    A ``BaseException``, like :class:`_SessionEnded`, so that an ``except Exception`` in test code cannot
+    swallow it and carry on to a "passed"."""
 
 
-class _SessionEnded(Exception):
+class _SessionEnded(BaseException):
     def __init__(self, result: ExecResult):
         super().__init__(result.message)
         self.result = result
