@@ -124,3 +124,36 @@ def test_rejected_requests_counted_by_status(srv):
     assert r.status_code == 413
     after = metric_samples(c.get("/metrics").text)
     assert after[key] == before.get(key, 0) + 1
+
+
+def test_encode_bounded_refuses_long_prompt_from_a_prefix(srv):
+    """A prompt far over the context is refused after tokenizing a prefix; prompts that fit are encoded whole."""
+    from megatron_jf.server.protocol import Limits, RequestError, encode_bounded
+
+    calls = []
+
+    class Counting:
+        def encode(self, text):
+            calls.append(len(text))
+            return srv.tok.encode(text)
+
+    lim = Limits(max_context=MAX_CTX, max_token_chars=10 ** 6)
+    text = "naïve café Köln " * 20000
+    with pytest.raises(RequestError, match="the prompt has more than .* tokens; the context window is 256"):
+        encode_bounded(Counting(), text, lim, "prompt")
+    assert max(calls) < len(text) // 100  # never the whole text
+    short = "naïve café Köln " * 10
+    assert encode_bounded(Counting(), short, lim, "prompt") == srv.tok.encode(short)
+
+    class Words:  # one token per word: long texts that still fit the context
+        def encode(self, text):
+            calls.append(len(text))
+            return [len(w) for w in text.split()]
+
+    calls.clear()
+    edge = "abcdefgh " * 250  # 2250 characters > 4 * context, 250 tokens: fits, counted exactly
+    assert encode_bounded(Words(), edge, lim, "prompt") == [8] * 250 and len(calls) == 2
+    calls.clear()
+    with pytest.raises(RequestError, match="context window is 256"):
+        encode_bounded(Words(), "abcdefgh " * 100_000, lim, "prompt")
+    assert max(calls) <= 4 * 4 * MAX_CTX

@@ -266,6 +266,26 @@ def _check_chars(text: str, limits: Limits, field: str) -> None:
                                   f"(tokens of at most {limits.max_token_chars} characters)")
 
 
+def encode_bounded(tokenizer, text: str, limits: Limits, field: str) -> list[int]:
+    """``tokenizer.encode(text)``, but a text far over the context window is refused after encoding a prefix
+    (growing 4x from ``4 * max_context`` characters, cut at whitespace) instead of all of it, so a huge
+    prompt costs little CPU. A prefix cut at whitespace has at most a few tokens more than the same
+    region of the whole text, hence the margin of 16.
+
+    Raises:
+        RequestError: the prefix already has more than ``max_context + 16`` tokens.
+    """
+    k = 4 * limits.max_context
+    while k < len(text):
+        cut = text.rfind(" ", k - 256, k)
+        n = len(tokenizer.encode(text[: cut if cut > 0 else k]))
+        if n > limits.max_context + 16:
+            raise RequestError(field, f"the prompt has more than {n - 16} tokens; the context window is "
+                                      f"{limits.max_context} tokens")
+        k *= 4
+    return tokenizer.encode(text)
+
+
 def _check_context(prompt_len: int, max_tokens: int, max_context: int, prompt_field: str, max_field: str):
     if prompt_len == 0:
         raise RequestError(prompt_field, "the prompt is empty (no tokens)")
@@ -360,7 +380,7 @@ def parse_megatron(body, tokenizer, limits: Limits, default: DecodeConfig) -> Pa
         _check_chars(p, limits, f"prompts[{i}]")
     ids = []
     for i, p in enumerate(prompts):
-        t = tokenizer.encode(p)
+        t = encode_bounded(tokenizer, p, limits, f"prompts[{i}]")
         if add_bos:
             t = [tokenizer.bos_id] + t
         _check_context(len(t), n_new, limits.max_context, f"prompts[{i}]", "tokens_to_generate")
@@ -446,7 +466,7 @@ def parse_completion(body, tokenizer, limits: Limits, model_name: str, default: 
                                      f"{limits.max_context} tokens")
     if isinstance(p, str):
         _check_chars(p, limits, "prompt")
-        text, ids = p, tokenizer.encode(p)
+        text, ids = p, encode_bounded(tokenizer, p, limits, "prompt")
     elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         if any(t < 0 or t >= tokenizer.vocab_size for t in p):
             raise RequestError("prompt", f"token ids must be in [0, {tokenizer.vocab_size})")
@@ -496,7 +516,7 @@ def parse_chat(body, tokenizer, limits: Limits, model_name: str, default: Decode
     except ValueError as e:
         raise RequestError("messages", str(e)) from None
     _check_chars(text, limits, "messages")
-    ids = tokenizer.encode(text)
+    ids = encode_bounded(tokenizer, text, limits, "messages")
     if "max_tokens" in body and "max_completion_tokens" in body:
         raise RequestError("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
     key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
