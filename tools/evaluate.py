@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Evaluate speed and accuracy of a decoder against greedy AR in one run (Jacobi Forcing Tables 1-3).
 
-AR and the chosen decoder run on the same prompts in the same process; the speedup is their wall-clock ratio,
+AR and the chosen decoder run on the same prompts in the same process; the speedup is their wall-clock ratio
+(also reported against the faster of this project's AR and ``transformers`` greedy on the same weights, timed in
+the same run: ``speedup_vs_fastest_ar``, ``fastest_ar``),
 greedy outputs are checked to be identical (lossless), both completions are scored (code in the sandbox)::
 
     python tools/evaluate.py --load ckpt/jf-coder --benchmark humaneval --decoder mr --block-size 64 \\
@@ -62,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-mismatch", action="store_true", help="do not fail when outputs differ from AR")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-hf-baseline", action="store_true",
+                   help="do not time transformers greedy on the same weights (the speedup against the faster AR "
+                        "then uses this project's AR)")
     return p
 
 
@@ -76,7 +81,8 @@ def config_from_args(a: argparse.Namespace):
                       prompt_mode=a.prompt_mode, prompt_set=a.prompt_set, out_dir=a.out, tokenizer=a.tokenizer,
                       threads=a.threads, tp=a.tp, seed=a.seed, strict_lossless=not a.allow_mismatch,
                       score_timeout_s=a.score_timeout, warmup=not a.no_warmup, progress=not a.no_progress,
-                      math_cpu_s=a.math_cpu_limit, isolation="none" if a.unisolated else "os")
+                      math_cpu_s=a.math_cpu_limit, isolation="none" if a.unisolated else "os",
+                      hf_baseline=not a.no_hf_baseline)
 
 
 def main(argv=None) -> int:

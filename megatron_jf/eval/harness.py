@@ -221,6 +221,9 @@ class EvalConfig:
             ``"none"`` (``--unisolated``: no OS isolation, flagged in the summary and the table).
         warmup: run one short untimed generate per method first (so one-off costs do not skew the speedup).
         progress: show a tqdm progress bar.
+        hf_baseline: also time ``transformers`` greedy on the same weights (TP=1; exactly AR's tokens per
+            sample) and report ``speedup_vs_fastest_ar``, against the faster of the two ARs
+            (:mod:`megatron_jf.eval.hf_baseline`).
     """
 
     load: str
@@ -244,6 +247,7 @@ class EvalConfig:
     isolation: str = "os"
     warmup: bool = True
     progress: bool = True
+    hf_baseline: bool = True
 
     def validate(self) -> None:
         """Check names and ranges before anything heavy is loaded.
@@ -338,9 +342,20 @@ def summarize_records(records: Sequence[dict]) -> dict[str, Any]:
     dec = _method_summary([r["gen"] for r in records], [r["correct"] for r in records],
                           [r.get("status", "") for r in records])
     mism = [r["task_id"] for r in records if not r["lossless"]]
+    from megatron_jf.eval.hf_baseline import fastest_ar
+
+    hf = None
+    if records and all(r.get("hf") for r in records):  # transformers greedy timed on every sample
+        wall = sum(r["hf"]["wall_s"] for r in records)
+        toks = sum(r["hf"]["new_tokens"] for r in records)
+        hf = {"wall_s": wall, "new_tokens": toks, "tps_e2e": toks / wall if wall > 0 else float("nan"),
+              "identical_to_ar": sum(bool(r["hf"]["equal"]) for r in records)}
+    base, base_wall = fastest_ar(ar["wall_s"], hf["wall_s"] if hf else None)
     return {
         "n": len(records), "ar": ar, "decoder": dec,
         "speedup": ar["wall_s"] / dec["wall_s"] if dec["wall_s"] > 0 else float("nan"),
+        "hf_greedy": hf, "fastest_ar": base,
+        "speedup_vs_fastest_ar": base_wall / dec["wall_s"] if dec["wall_s"] > 0 else float("nan"),
         "lossless": {"checked": len(records), "identical": len(records) - len(mism), "mismatched": mism},
     }
 
@@ -378,6 +393,12 @@ def markdown_table(task: str, method: str, summary: dict[str, Any]) -> str:
               f"{dec['tps_e2e']:.1f}; latency p50/p95 (s): AR {ar['latency_p50_s']:.3f}/{ar['latency_p95_s']:.3f}, "
               f"{method} {dec['latency_p50_s']:.3f}/{dec['latency_p95_s']:.3f}; lossless (greedy output == AR): "
               f"{ll['identical']}/{ll['checked']}"]
+    hf = summary.get("hf_greedy")
+    if "speedup_vs_fastest_ar" in summary:
+        hf_txt = (f"transformers greedy {hf['tps_e2e']:.1f} tok/s end-to-end (same weights, identical to AR on "
+                  f"{hf['identical_to_ar']}/{summary['n']})" if hf else "transformers greedy not timed")
+        lines.append(f"{method} speedup against the faster AR ({summary['fastest_ar']}): "
+                     f"{summary['speedup_vs_fastest_ar']:.2f}×; {hf_txt}")
     return "\n".join(lines) + "\n"
 
 
@@ -460,11 +481,20 @@ def run_evaluation(cfg: EvalConfig, *, loaded: Optional[LoadedModel] = None,
         raise HarnessError(f"{len(too_long)} prompt(s) do not fit the context window of {loaded.engine.max_context} "
                            f"tokens with max_new_tokens={cfg.max_new_tokens}, e.g. {too_long[0][0]} "
                            f"({too_long[0][1]} prompt tokens)")
+    hf = None
+    if pending and cfg.hf_baseline:
+        from megatron_jf.eval.hf_baseline import hf_twin, time_hf_greedy
+
+        hf = hf_twin(loaded.engine.model)  # None under TP > 1
+        if hf is None:
+            log("[evaluate] transformers greedy baseline skipped (needs TP=1)")
     if pending and cfg.warmup:
         p0 = pending[0]
         for c in (ar_cfg, dec_cfg):
             loaded.engine.generate([ids[p0.task_id]], c, max_new_tokens=min(4, cfg.max_new_tokens),
                                    eos_ids=loaded.eos_ids)
+        if hf is not None:
+            time_hf_greedy(hf, ids[p0.task_id], min(4, cfg.max_new_tokens))
 
     bar = None
     if cfg.progress:
@@ -500,6 +530,9 @@ def run_evaluation(cfg: EvalConfig, *, loaded: Optional[LoadedModel] = None,
                 extra = {"run_key": run_key, "method": method_name(dec_cfg), "decoder": cfg.decoder,
                          "lossless": lossless, "gen": _gen_stats(dec_out[j], dec_wall / len(batch)), "ar": ar_rec,
                          "prompt_tokens": len(bids[j]), "accepted": dec_out[j].accepted}
+                if hf is not None:  # transformers greedy producing exactly AR's tokens (batch 1)
+                    hf_wall, hf_toks = time_hf_greedy(hf, bids[j], len(ar_out[j].tokens))
+                    extra["hf"] = {"wall_s": hf_wall, "new_tokens": len(hf_toks), "equal": hf_toks == ar_out[j].tokens}
                 writer.add(make_record(p, dec_text[j], dec_scores[j], prompt=texts[p.task_id], prompt_meta=pinfo,
                                        extra=extra))
             if bar is not None:
@@ -528,7 +561,8 @@ def run_evaluation(cfg: EvalConfig, *, loaded: Optional[LoadedModel] = None,
     atomic_write_text(paths["table"], table)
     log("\n" + table)
     ll = summary["lossless"]
-    log(f"[evaluate] speedup {summary['speedup']:.2f}x  TPF {summary['decoder']['tpf']:.2f} (AR "
+    log(f"[evaluate] speedup {summary['speedup']:.2f}x vs this project's AR, {summary['speedup_vs_fastest_ar']:.2f}x vs "
+        f"the faster AR ({summary['fastest_ar']})  TPF {summary['decoder']['tpf']:.2f} (AR "
         f"{summary['ar']['tpf']:.2f})  acc {100 * summary['decoder']['accuracy']:.1f}% (AR "
         f"{100 * summary['ar']['accuracy']:.1f}%)  lossless {ll['identical']}/{ll['checked']}  -> {cfg.out_dir}")
     if ll["mismatched"] and cfg.strict_lossless:
