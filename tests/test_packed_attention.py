@@ -192,17 +192,132 @@ def test_packed_loss_and_grads_equal_two_stream(mp1):
 
 
 @pytest.mark.parametrize("mask", ["nc_ic", "clean"])
-def test_packed_path_other_masks_use_dense_layout(tiny, mask):
-    """``nc_ic`` / ``clean`` on the packed path: the dense layout and mask, identical logits."""
+def test_gathered_thd_layout_segments(mask):
+    """Query order [prompt, clean blocks, noisy windows]; each window's gathered keys are the prompt, the
+    clean blocks before the window and the window itself, exactly the keys the dense mask allows."""
+    from megatron_jf.data.masks import dense_mask
+    from megatron_jf.data.thd import sample_segments, thd_layout
+
+    _, packed = _packed_samples()
+    w = 2 if mask == "nc_ic" else None
+    lay = thd_layout(packed, mask, window_size=w, pad_to_multiple_of=16)
+    T = lay.tokens.shape[0]
+    assert T % 16 == 0 and lay.num_real == sum(len(p) for p in packed) < T
+    cq, ck = lay.cu_seqlens_q.tolist(), lay.cu_seqlens_kv.tolist()
+    assert cq[-1] == T and ck[-1] == lay.kv_index.shape[0] and len(cq) == len(ck)
+    inv = torch.full((T,), -1)
+    seg = 0
+    for b, (p, mp) in enumerate(zip(packed, lay.model_pos)):
+        assert torch.equal(lay.tokens[mp], p.tokens) and torch.equal(lay.position_ids[mp], p.position_ids)
+        allowed = dense_mask(mask, p, window_size=w)  # [L, L], True = may attend
+        inv[mp] = torch.arange(len(p))
+        segs = sample_segments(p, mask, w)
+        assert len(segs) == 1 + (-(-p.num_blocks // (w or 1)))
+        for q, _ in segs:
+            keys = inv[lay.kv_index[ck[seg]:ck[seg + 1]]]  # packed indices of the gathered keys
+            qi = inv[torch.arange(cq[seg], cq[seg + 1])]
+            assert torch.equal(qi, q)
+            n, m = keys.numel(), qi.numel()
+            for i in range(m):  # bottom-right causal over the gathered keys == the dense mask's row
+                seen = torch.zeros(len(p), dtype=torch.bool)
+                seen[keys[: n - m + i + 1]] = True
+                assert torch.equal(seen, allowed[qi[i]]), (mask, b, int(qi[i]))
+            seg += 1
+    assert cq[seg + 1] - cq[seg] == T - lay.num_real  # the trailing padding segment
+
+
+@pytest.mark.parametrize("mask", ["nc_ic", "clean"])
+def test_packed_other_masks_equal_dense(tiny, mask):
+    """``nc_ic`` / ``clean`` on the packed path (query-ordered THD, gathered keys, bottom-right causal
+    segments): logits at every packed position equal the dense-mask path's."""
     from megatron_jf.training.attention_paths import build_jf_batch, forward_model
 
     model, _ = tiny
     _, packed = _packed_samples()
-    a = build_jf_batch(packed, path="packed", mask=mask, window_size=2)
+    a = build_jf_batch(packed, path="packed", mask=mask, window_size=2, pad_to_multiple_of=8)
     d = build_jf_batch(packed, path="dense", mask=mask, window_size=2)
-    assert a.packed_seq_params is None and torch.equal(a.attention_mask, d.attention_mask)
+    assert a.attention_mask is None and a.tokens.shape[0] == 1 and a.packed_seq_params.kv_index is not None
     with torch.no_grad():
-        assert torch.equal(forward_model(model, a), forward_model(model, d))
+        out = forward_model(model, a)[0]
+        ref = forward_model(model, d)
+    from megatron_jf.data.thd import thd_layout
+
+    lay = thd_layout(packed, mask, window_size=2 if mask == "nc_ic" else None, pad_to_multiple_of=8)
+    for b, (p, mp) in enumerate(zip(packed, lay.model_pos)):
+        assert (out[mp] - ref[b, : len(p)]).abs().max() <= TOL, (mask, b)
+    flat_a, flat_d = a.tokens.reshape(-1), d.tokens.reshape(-1)
+    for name in ("student_index", "teacher_index", "ar_index"):
+        assert torch.equal(flat_a[getattr(a, name)], flat_d[getattr(d, name)]), name
+
+
+def test_packed_nc_ic_loss_and_grads_equal_dense(mp1):
+    from megatron_jf.training.attention_paths import build_jf_batch, jf_forward
+    from megatron_jf.training.losses import LossConfig, jf_loss
+
+    model, _ = tiny_mcore_model(seed=6)
+    model.train()
+    _, packed = _packed_samples()
+    cfg = LossConfig(consistency_loss="kl", temperature=1.0, pc_weight=1.0, ar_weight=0.7)
+    res = {}
+    for path in ("dense", "packed"):
+        model.zero_grad(set_to_none=True)
+        loss, rep = jf_loss(jf_forward(model, build_jf_batch(packed, path=path, mask="nc_ic", window_size=2)), cfg)
+        loss.backward()
+        res[path] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    (ld, gd), (lp, gp) = res["dense"], res["packed"]
+    assert abs(ld.item() - lp.item()) <= 1e-6 * max(1.0, abs(ld.item()))
+    for n in gd:
+        assert (gd[n] - gp[n]).abs().max().item() <= 1e-5 * max(gd[n].abs().max().item(), 1e-8), n
+
+
+def test_gathered_keys_reproduce_nc_two_stream(tiny):
+    """The gathered-key mechanism with one window of all blocks (the ``nc`` mask, prompt not duplicated)
+    gives the two-stream logits: an independent check of the bottom-right segments and the key gather."""
+    from megatron_jf.data.thd import thd_layout
+    from megatron_jf.models.attention import GatheredKVPackedSeqParams
+    from megatron_jf.training.attention_paths import build_jf_batch, forward_model
+
+    model, _ = tiny
+    recs, packed = _packed_samples()
+    lay = thd_layout(packed, "nc")
+    cu = lay.cu_seqlens_q
+    psp = GatheredKVPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=lay.max_seqlen_q,
+                                    max_seqlen_kv=lay.max_seqlen_q, kv_index=lay.kv_index,
+                                    cu_seqlens_kv_gathered=lay.cu_seqlens_kv, max_seqlen_kv_gathered=lay.max_seqlen_kv)
+    with torch.no_grad():
+        out = model(lay.tokens[None], lay.position_ids[None], None, runtime_gather_output=False,
+                    packed_seq_params=psp)[0]
+        two = forward_model(model, build_jf_batch(packed, path="two_stream", mask="nc"))
+    from megatron_jf.data.packing import to_two_stream
+
+    B = len(packed)
+    for b, (p, mp) in enumerate(zip(packed, lay.model_pos)):
+        ts = to_two_stream(p)
+        T = len(ts)
+        assert (out[mp[ts.noisy_index]] - two[b, :T]).abs().max() <= TOL
+        assert (out[mp[ts.clean_index]] - two[B + b, :T]).abs().max() <= TOL
+    assert lay.num_real == sum(len(p) for p in packed)  # P + 2R per sample: the prompt is computed once
+
+
+def test_packed_causal_sdpa_bottom_right():
+    from megatron_jf.models.attention import packed_causal_sdpa
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(5, 2, 4, generator=g)
+    k = torch.randn(9, 2, 4, generator=g)
+    v = torch.randn(9, 2, 4, generator=g)
+    cu_q = torch.tensor([0, 2, 5], dtype=torch.int32)
+    cu_k = torch.tensor([0, 4, 9], dtype=torch.int32)  # segment 0: 2 queries over 4 keys; 1: 3 over 5
+    out = packed_causal_sdpa(q, k, v, cu_q, 0.5, cu_seqlens_kv=cu_k)
+    for (a, b), (c, d) in zip([(0, 2), (2, 5)], [(0, 4), (4, 9)]):
+        m, n = b - a, d - c
+        for i in range(m):
+            keys = k[c : c + n - m + i + 1]
+            w = (torch.einsum("hd,khd->hk", q[a + i], keys) * 0.5).softmax(-1)
+            ref = torch.einsum("hk,khd->hd", w, v[c : c + n - m + i + 1]).reshape(-1)
+            assert (out[a + i] - ref).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="shorter than its query"):
+        packed_causal_sdpa(q, k[:6], v[:6], cu_q, 0.5, cu_seqlens_kv=torch.tensor([0, 1, 6], dtype=torch.int32))
 
 
 def _te_cuda():
@@ -248,7 +363,8 @@ def test_te_packed_attention_equals_sdpa(mp1):
 
 def test_trainer_packed_path_matches_two_stream(mp1, tmp_path):
     """``--attention-path packed`` through the trainer (pretrain_jf's forward step and collate): the
-    losses and gradient norms of 3 optimizer steps equal ``two_stream``'s; bad combinations error."""
+    losses and gradient norms of 3 optimizer steps equal ``two_stream``'s (``--mask nc``) and ``dense``'s
+    (``--mask nc_ic``); bad combinations error."""
     from functools import partial
 
     import pretrain_jf
@@ -262,18 +378,20 @@ def test_trainer_packed_path_matches_two_stream(mp1, tmp_path):
                         last_block_len=3 if i % 4 == 1 else None) for i in range(4)]
     write_shards(os.path.join(d, "train"), recs, per_shard=2)
     hist = {}
-    for path in ("two_stream", "packed"):
+    for path, mask in (("two_stream", "nc"), ("packed", "nc"), ("dense", "nc_ic"), ("packed", "nc_ic")):
         cfg = TrainConfig(hf_config=os.path.join(d, "hf"), data=[os.path.join(d, "train")], block_size=4,
                           window_size=2, train_steps=3, micro_batch_size=2, global_batch_size=2, lr=2e-3,
                           warmup_steps=0, clip_grad=0.05, log_interval=100, progress=False, threads=1, seed=7,
-                          attention_path=path)
+                          attention_path=path, mask=mask)
         tr = Trainer(cfg, hf_weights_provider(os.path.join(d, "hf")), partial(pretrain_jf.forward_step, cfg=cfg),
                      pretrain_jf.train_valid_datasets_provider)
-        hist[path] = tr.train()
-    for a, b in zip(hist["two_stream"], hist["packed"]):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 * max(1.0, abs(a["loss"]))
-        assert abs(a["grad norm"] - b["grad norm"]) <= 1e-4 * a["grad norm"]
-    assert hist["packed"][0]["loss"] != hist["packed"][-1]["loss"]  # the optimizer moved the weights
+        hist[path, mask] = tr.train()
+    for ref, mask in (("two_stream", "nc"), ("dense", "nc_ic")):
+        for a, b in zip(hist[ref, mask], hist["packed", mask]):
+            assert abs(a["loss"] - b["loss"]) <= 1e-5 * max(1.0, abs(a["loss"])), mask
+            assert abs(a["grad norm"] - b["grad norm"]) <= 1e-4 * a["grad norm"], mask
+        assert hist["packed", mask][0]["loss"] != hist["packed", mask][-1]["loss"]  # the optimizer moved
+    assert hist["packed", "nc"][0]["loss"] != hist["packed", "nc_ic"][0]["loss"]  # the masks differ
     base = dict(hf_config=os.path.join(d, "hf"), data=[os.path.join(d, "train")], block_size=4,
                 attention_path="packed", train_steps=1)
     with pytest.raises(ValueError, match="needs --pp 1"):
@@ -282,7 +400,8 @@ def test_trainer_packed_path_matches_two_stream(mp1, tmp_path):
 
 def test_packed_path_parallel_layouts_match_single_process_two_stream(mp1, tmp_path):
     """The packed THD row at TP=2, TP=2 + sequence parallelism (the row's tokens split over the ranks) and
-    DP=2 (torchrun, gloo) gives the single-process two-stream losses and gradient norms at every step."""
+    DP=2 (torchrun, gloo) gives the single-process two-stream losses and gradient norms at every step;
+    ``nc_ic`` at TP=2 + sequence parallelism gives the single-process dense-mask run's."""
     import json
     from functools import partial
 
@@ -298,13 +417,16 @@ def test_packed_path_parallel_layouts_match_single_process_two_stream(mp1, tmp_p
     recs = [make_record(100 + i, prompt_len=4 + i % 3, block_size=4, num_blocks=3, vocab=255,
                         last_block_len=3 if i % 4 == 1 else None) for i in range(8)]
     write_shards(os.path.join(d, "train"), recs, per_shard=3)
-    cfg = parallel_config(d, "two_stream_kl")
-    hist = Trainer(cfg, hf_weights_provider(os.path.join(d, "hf")), partial(pretrain_jf.forward_step, cfg=cfg),
-                   pretrain_jf.train_valid_datasets_provider).train()
-    loss, gn = [h["loss"] for h in hist], [h["grad norm"] for h in hist]
+    ref = {}
+    for name in ("two_stream_kl", "dense_ncic_ref"):
+        cfg = parallel_config(d, name)
+        hist = Trainer(cfg, hf_weights_provider(os.path.join(d, "hf")), partial(pretrain_jf.forward_step, cfg=cfg),
+                       pretrain_jf.train_valid_datasets_provider).train()
+        ref[name] = [h["loss"] for h in hist], [h["grad norm"] for h in hist]
     out = run_torchrun("packed_tp.py", d, timeout=400)
     results = [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
-    assert [r["layout"] for r in results] == ["tp2", "tp2_sp", "dp2"]
+    assert [r["layout"] for r in results] == ["tp2", "tp2_sp", "dp2", "tp2_sp_ncic"]
     for r in results:
+        loss, gn = ref["dense_ncic_ref" if r["layout"].endswith("ncic") else "two_stream_kl"]
         np.testing.assert_allclose(r["loss"], loss, rtol=2e-5, atol=1e-6, err_msg=r["layout"])
         np.testing.assert_allclose(r["grad_norm"], gn, rtol=2e-4, err_msg=r["layout"])

@@ -17,14 +17,19 @@ Modes, chosen per forward:
   segments packed back to back into one sequence without padding, delimited by ``cu_seqlens_q``
   (int32 ``[num_segments + 1]``, the cumulative segment lengths). This is the ``packed`` attention path
   (:mod:`megatron_jf.training.attention_paths`): the noisy and clean streams of every sample are
-  segments. Each query sees the keys of its own segment up to itself.
+  segments. Each query sees the keys of its own segment up to itself. With
+  :class:`GatheredKVPackedSeqParams` (the ``nc_ic`` / ``clean`` masks on the packed path,
+  :mod:`megatron_jf.data.thd`) each query segment attends instead to its own keys gathered by ``kv_index``
+  (a prefix, then the segment itself), bottom-right causal: query ``i`` of ``m`` sees gathered keys
+  ``0 .. a + i`` of ``a + m``.
 * **cached** (a :class:`~megatron_jf.models.kv_cache.KVCache` attached): decoding; keys/values of the
   new tokens are written to the cache and attention runs over committed + new slots.
 
 Backends. With Transformer Engine and CUDA present (:data:`megatron_jf.platform.HAVE_TE`) the packed
 mode runs TE's fused attention (megatron-core ``TEDotProductAttention``, ``qkv_format="thd"``, mask type
-``padding_causal``: FlashAttention/cuDNN varlen kernels, no padding, no ``[L, L]`` mask). Otherwise (CPU,
-or ``MEGATRON_JF_DISABLE_TE=1``) it runs one causal torch SDPA per segment. The masked mode runs torch
+``padding_causal``, or ``padding_causal_bottom_right`` with gathered keys: FlashAttention/cuDNN varlen
+kernels, no padding, no ``[L, L]`` mask). Otherwise (CPU, or ``MEGATRON_JF_DISABLE_TE=1``) it runs one
+torch SDPA per segment. The masked mode runs torch
 SDPA by default: on CUDA, SDPA with a boolean mask takes its memory-efficient kernel (``O(L)`` saved
 activations), whereas TE's arbitrary-mask attention (``AttnMaskType.arbitrary``) is served only by TE's
 *unfused* backend (TE's backend selection disables FlashAttention and FusedAttention for arbitrary
@@ -41,15 +46,35 @@ query ``[t, np, hn]``, key/value ``[t, ng, hn]``, output ``[t, np * hn]`` with `
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 import os
 
 from megatron_jf import platform
+
+
+@dataclass
+class GatheredKVPackedSeqParams(PackedSeqParams):
+    """``PackedSeqParams`` whose query segments attend to gathered keys (see the module docstring).
+
+    megatron-core reads the parent fields (``cu_seqlens_kv`` must equal ``cu_seqlens_q``: RoPE is applied
+    to the ``t`` keys before the gather); the core attention reads these.
+
+    Attributes:
+        kv_index: int64 ``[t_kv]``: the row of ``key``/``value`` ``[t, ...]`` behind each gathered key.
+        cu_seqlens_kv_gathered: int32 ``[segments + 1]``: gathered-key segment boundaries.
+        max_seqlen_kv_gathered: the longest gathered-key segment.
+    """
+
+    kv_index: torch.Tensor = None
+    cu_seqlens_kv_gathered: torch.Tensor = None
+    max_seqlen_kv_gathered: int = None
 
 
 class JFCoreAttention(MegatronModule):
@@ -109,6 +134,21 @@ class JFCoreAttention(MegatronModule):
             if self.kv_cache is not None:
                 raise NotImplementedError("packed THD sequences cannot be decoded through a KV cache")
             _check_packed(packed_seq_params, query)
+            kv_index = getattr(packed_seq_params, "kv_index", None)
+            if kv_index is not None:
+                key, value = key.index_select(0, kv_index), value.index_select(0, kv_index)
+                cu_kv = packed_seq_params.cu_seqlens_kv_gathered
+                if self._te_enabled(query):
+                    from transformer_engine.pytorch import DotProductAttention
+
+                    p = packed_seq_params
+                    # TE's own forward (megatron's wrapper maps only causal -> padding_causal for thd)
+                    return DotProductAttention.forward(
+                        self._te_attention(), query, key, value, None, qkv_format="thd",
+                        attn_mask_type="padding_causal_bottom_right", cu_seqlens_q=p.cu_seqlens_q,
+                        cu_seqlens_kv=cu_kv, max_seqlen_q=p.max_seqlen_q, max_seqlen_kv=p.max_seqlen_kv_gathered)
+                return packed_causal_sdpa(query, key, value, packed_seq_params.cu_seqlens_q, self.softmax_scale,
+                                          cu_seqlens_kv=cu_kv)
             if self._te_enabled(query):
                 return self._te_attention()(query, key, value, None, attn_mask_type=AttnMaskType.padding_causal,
                                             packed_seq_params=packed_seq_params)
@@ -153,34 +193,56 @@ def _check_packed(params, query: torch.Tensor) -> None:
         raise ValueError(f"packed query must be [t, heads, head_dim], got {tuple(query.shape)}")
 
 
+def _bounds(cu: torch.Tensor, total: int, name: str) -> list[int]:
+    bounds = [int(x) for x in cu.tolist()]
+    if bounds[0] != 0 or bounds[-1] != total or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
+        raise ValueError(f"{name} {bounds[:8]}{'...' if len(bounds) > 8 else ''} must rise from 0 to the "
+                         f"packed length {total}")
+    return bounds
+
+
 def packed_causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
-                       scale: float) -> torch.Tensor:
+                       scale: float, *, cu_seqlens_kv: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention within each packed segment (torch SDPA, one call per segment).
 
     Args:
-        query: ``[t, np, hn]``; key/value: ``[t, ng, hn]`` (``np`` a multiple of ``ng``: GQA).
+        query: ``[t, np, hn]``; key/value: ``[t_kv, ng, hn]`` (``np`` a multiple of ``ng``: GQA).
         cu_seqlens: int ``[num_segments + 1]``, ``0 = cu[0] <= cu[1] <= ... <= cu[-1] = t``.
         scale: softmax scale.
+        cu_seqlens_kv: key segment boundaries (``[-1] = t_kv``), each key segment at least as long as its
+            query segment; the mask is then bottom-right aligned (query ``i`` of ``m`` sees keys
+            ``0 .. n - m + i`` of ``n``). Default: ``cu_seqlens`` (plain causal).
 
     Returns:
-        ``[t, np * hn]``, rows of segment ``i`` attending causally to keys ``cu[i] ..`` themselves.
+        ``[t, np * hn]``.
 
     Raises:
-        ValueError: ``cu_seqlens`` does not start at 0, decreases, or does not end at ``t``.
+        ValueError: boundaries that do not start at 0, decrease, do not end at ``t`` / ``t_kv``, differ in
+            count, or a key segment shorter than its query segment.
     """
     t, nh, hd = query.shape
-    bounds = [int(x) for x in cu_seqlens.tolist()]
-    if bounds[0] != 0 or bounds[-1] != t or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
-        raise ValueError(f"cu_seqlens {bounds[:8]}{'...' if len(bounds) > 8 else ''} must rise from 0 to the "
-                         f"packed length {t}")
+    bq = _bounds(cu_seqlens, t, "cu_seqlens")
+    bk = bq if cu_seqlens_kv is None else _bounds(cu_seqlens_kv, key.shape[0], "cu_seqlens_kv")
+    if len(bk) != len(bq):
+        raise ValueError(f"{len(bq) - 1} query segments but {len(bk) - 1} key segments")
     q = query.transpose(0, 1)  # [np, t, hn]
     k = key.transpose(0, 1)
     v = value.transpose(0, 1)
     gqa = k.shape[0] != nh
     outs = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        if b > a:
-            outs.append(F.scaled_dot_product_attention(q[None, :, a:b], k[None, :, a:b], v[None, :, a:b],
-                                                       is_causal=True, scale=scale, enable_gqa=gqa)[0])
+    for a, b, c, d in zip(bq[:-1], bq[1:], bk[:-1], bk[1:]):
+        m, n = b - a, d - c
+        if m == 0:
+            continue
+        if n < m:
+            raise ValueError(f"a key segment ({n}) is shorter than its query segment ({m})")
+        if n == m:
+            o = F.scaled_dot_product_attention(q[None, :, a:b], k[None, :, c:d], v[None, :, c:d], is_causal=True,
+                                               scale=scale, enable_gqa=gqa)
+        else:
+            allow = torch.arange(n, device=q.device)[None, :] <= (n - m) + torch.arange(m, device=q.device)[:, None]
+            o = F.scaled_dot_product_attention(q[None, :, a:b], k[None, :, c:d], v[None, :, c:d], attn_mask=allow,
+                                               scale=scale, enable_gqa=gqa)
+        outs.append(o[0])
     out = torch.cat(outs, dim=1)  # [np, t, hn]
     return out.transpose(0, 1).reshape(t, nh * hd)

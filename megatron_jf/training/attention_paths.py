@@ -22,9 +22,12 @@ Paths (``--attention-path``):
   ``cu_seqlens`` int32 ``[2B + 1]``, or ``[2B + 2]`` when a trailing padding segment rounds ``T`` up to
   ``pad_to_multiple_of``). The core attention (:mod:`megatron_jf.models.attention`) runs each segment
   causally: Transformer Engine's fused ``padding_causal`` attention when present, one SDPA per segment on
-  CPU. Logits equal ``two_stream`` (tests); no compute on row padding. ``nc_ic`` / ``clean``: the dense
-  layout and mask (as ``dense``; SDPA's memory-efficient kernel on CUDA, or TE's arbitrary-mask attention
-  with ``MEGATRON_JF_TE_ARBITRARY_MASK=1``, see :mod:`megatron_jf.models.attention`).
+  CPU. Logits equal ``two_stream`` (tests); no compute on row padding. ``nc_ic`` / ``clean``: ONE THD row
+  of every sample's packed tokens in query order (``[x, clean blocks, noisy window 0, ...]``,
+  :mod:`megatron_jf.data.thd`), each noisy window a segment attending bottom-right-causally to its
+  gathered keys (prompt + earlier clean blocks + itself), carried by
+  :class:`~megatron_jf.models.attention.GatheredKVPackedSeqParams`: TE's ``padding_causal_bottom_right``
+  THD attention on GPU, no ``[L, L]`` mask. Logits equal ``dense`` (tests).
 * ``flex``: not implemented. On CPU FlexAttention is slower than SDPA with a dense boolean mask
   (measured, torch 2.13, ``[4, 8, 320, 32]``, 1 thread: eager 84 ms, ``torch.compile`` 12 ms, SDPA with
   the dense mask 5.5 ms), and the core attention (``megatron_jf.models.attention``) has no ``BlockMask``
@@ -131,8 +134,8 @@ class JFBatch:
         for f in fields(self):
             v = getattr(self, f.name)
             if isinstance(v, PackedSeqParams):
-                v = dataclasses.replace(v, cu_seqlens_q=v.cu_seqlens_q.to(device, non_blocking=True),
-                                        cu_seqlens_kv=v.cu_seqlens_kv.to(device, non_blocking=True))
+                v = dataclasses.replace(v, **{g.name: getattr(v, g.name).to(device, non_blocking=True)
+                                              for g in fields(v) if isinstance(getattr(v, g.name), torch.Tensor)})
             kw[f.name] = v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
         return JFBatch(**kw)
 
@@ -189,7 +192,7 @@ def build_jf_batch(samples: Sequence[PackedSample], *, path: str = "two_stream",
         if max_position is not None and int(s.position_ids.max()) >= max_position:
             raise ValueError(f"sample {s.sample_id!r}: prompt + response = {int(s.position_ids.max()) + 1} tokens "
                              f"exceeds the model's context of {max_position} positions")
-        limit = pad_to if pad_to is not None and not thd else max_len
+        limit = pad_to if pad_to is not None and path != "packed" else max_len  # packed: pad_to bounds the row
         if limit is not None and row > limit:
             raise ValueError(f"sample {s.sample_id!r}: model-input length {row} ({path} path; prompt {P}, "
                              f"response {(L - P) // 2}) exceeds the sequence length {limit}")
@@ -197,6 +200,9 @@ def build_jf_batch(samples: Sequence[PackedSample], *, path: str = "two_stream",
             raise ValueError(f"sample {s.sample_id!r}: token id {int(s.tokens.max())} >= vocabulary size {vocab_size}")
         if int(s.tokens.min()) < 0:
             raise ValueError(f"sample {s.sample_id!r}: negative token id {int(s.tokens.min())}")
+    if path == "packed" and mask != "nc":
+        return _build_gathered_thd(samples, mask, window_size=window_size, pad_id=pad_id, pad_to=pad_to,
+                                   pad_to_multiple_of=pad_to_multiple_of)
     mult = 1 if pad_to is not None else pad_to_multiple_of
     B = len(samples)
     psp = None
@@ -259,6 +265,43 @@ def build_jf_batch(samples: Sequence[PackedSample], *, path: str = "two_stream",
         max_blocks=int(col["num_blocks"].max()), path=path, mask=mask,
         sample_ids=list(col["sample_ids"]), packed_seq_params=psp,
     )
+
+
+def _build_gathered_thd(samples, mask, *, window_size, pad_id, pad_to, pad_to_multiple_of) -> JFBatch:
+    """``build_jf_batch`` for the packed path with the ``nc_ic`` / ``clean`` masks (query-ordered THD;
+    the samples are already checked)."""
+    from megatron_jf.data.thd import thd_layout
+    from megatron_jf.models.attention import GatheredKVPackedSeqParams
+
+    lay = thd_layout(samples, mask, window_size=window_size if mask == "nc_ic" else None, pad_id=pad_id,
+                     pad_to_multiple_of=1 if pad_to is not None else pad_to_multiple_of, pad_to=pad_to)
+    student, teacher, pc_t, p_s, p_b, ar_i, ar_t, ar_s = ([] for _ in range(8))
+    for b, (s, mp) in enumerate(zip(samples, lay.model_pos)):
+        cp = s.consistency_pairs
+        student.append(mp[cp[:, 0]])
+        teacher.append(mp[cp[:, 1]])
+        pc_t.append(s.ar_targets[cp[:, 1]])
+        p_s.append(torch.full((cp.shape[0],), b, dtype=torch.int64))
+        p_b.append(s.block_ids[cp[:, 1]])
+        j = torch.nonzero(s.ar_targets != IGNORE_INDEX).flatten()
+        ar_i.append(mp[j])
+        ar_t.append(s.ar_targets[j])
+        ar_s.append(torch.full((j.numel(),), b, dtype=torch.int64))
+    pc_targets = torch.cat(pc_t)
+    if bool((pc_targets == IGNORE_INDEX).any()):
+        raise ValueError("a consistency pair sits at a clean position without an AR target (corrupt packing)")
+    cu = lay.cu_seqlens_q
+    psp = GatheredKVPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                    max_seqlen_q=lay.max_seqlen_q, max_seqlen_kv=lay.max_seqlen_q,
+                                    kv_index=lay.kv_index, cu_seqlens_kv_gathered=lay.cu_seqlens_kv,
+                                    max_seqlen_kv_gathered=lay.max_seqlen_kv)
+    num_blocks = torch.tensor([s.num_blocks for s in samples], dtype=torch.int64)
+    return JFBatch(
+        tokens=lay.tokens[None], position_ids=lay.position_ids[None], attention_mask=None,
+        student_index=torch.cat(student), teacher_index=torch.cat(teacher), pc_targets=pc_targets,
+        pair_sample=torch.cat(p_s), pair_block=torch.cat(p_b), ar_index=torch.cat(ar_i), ar_targets=torch.cat(ar_t),
+        ar_sample=torch.cat(ar_s), num_blocks=num_blocks, num_tokens=lay.num_real, max_blocks=int(num_blocks.max()),
+        path="packed", mask=mask, sample_ids=[s.sample_id for s in samples], packed_seq_params=psp)
 
 
 def append_anchor_rows(batch: JFBatch, text, *, pad_id: int = 0, pad_to: int | None = None) -> JFBatch:

@@ -249,9 +249,10 @@ class TrainConfig:
             need(not (self.attention_path == "two_stream" and self.mask != "nc"),
                  f"--attention-path two_stream is exact only for --mask nc (got --mask {self.mask}); "
                  "use --attention-path dense")
-            need(not (self.attention_path == "packed" and self.mask == "nc" and self.pp > 1),
-                 "--attention-path packed (one THD row per microbatch) needs --pp 1; use two_stream with --pp > 1")
-            need(not (self.attention_path == "packed" and self.mask == "nc" and self.anchor_data),
+            need(not (self.attention_path == "packed" and self.pp > 1),
+                 "--attention-path packed (one THD row per microbatch) needs --pp 1; use two_stream or dense with "
+                 "--pp > 1")
+            need(not (self.attention_path == "packed" and self.anchor_data),
                  "--attention-path packed does not carry --anchor-data rows yet; use two_stream or dense")
             self.loss_config()  # validates the loss options
         else:
@@ -495,8 +496,9 @@ def effective_seq_length(cfg: TrainConfig, max_position: int) -> int:
     """The model-input row length bound (and the padded length under pipeline parallelism with fixed shapes)."""
     if cfg.seq_length is not None:
         return cfg.seq_length
-    if cfg.objective == "jf" and cfg.attention_path == "dense":
-        return 2 * max_position
+    if cfg.objective == "jf" and (cfg.attention_path == "dense"
+                                  or (cfg.attention_path == "packed" and cfg.mask != "nc")):
+        return 2 * max_position  # one sample = prompt + noisy + clean
     return max_position
 
 

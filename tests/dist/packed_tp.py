@@ -1,4 +1,5 @@
-"""Under torchrun x2: 3 training steps on the packed THD path at TP=2, TP=2 with sequence parallelism, and DP=2.
+"""Under torchrun x2: 3 training steps on the packed THD path at TP=2, TP=2 with sequence parallelism, and DP=2
+(``--mask nc``), and at TP=2 with sequence parallelism for ``--mask nc_ic`` (gathered-key segments).
 
 Usage: torchrun --nproc_per_node 2 tests/dist/packed_tp.py WORKDIR
 Prints ``RESULT {"layout", "loss", "grad_norm"}`` lines (JSON) on global rank 0; tests/test_packed_attention.py
@@ -21,8 +22,9 @@ def main():
     from train_fixtures import hf_weights_provider, parallel_config
 
     work = sys.argv[1]
-    for layout, tp, sp in (("tp2", 2, False), ("tp2_sp", 2, True), ("dp2", 1, False)):
-        cfg = parallel_config(work, "two_stream_kl", tp=tp, attention_path="packed", sequence_parallel=sp)
+    for layout, name, tp, sp in (("tp2", "two_stream_kl", 2, False), ("tp2_sp", "two_stream_kl", 2, True),
+                                 ("dp2", "two_stream_kl", 1, False), ("tp2_sp_ncic", "dense_ncic_ref", 2, True)):
+        cfg = parallel_config(work, name, tp=tp, attention_path="packed", sequence_parallel=sp)
         tr = Trainer(cfg, hf_weights_provider(os.path.join(work, "hf")), partial(pretrain_jf.forward_step, cfg=cfg),
                      pretrain_jf.train_valid_datasets_provider)
         hist = tr.train()
