@@ -424,6 +424,24 @@ def load_checkpoint(ckpt_dir: str, model, *, iteration: int | None = None,
     return {"meta": meta, "extra": {k: v for k, v in loaded.items() if k != "model"}}
 
 
+def stored_dtype(ckpt_dir: str, iteration: int | None = None) -> torch.dtype:
+    """The dtype the checkpoint's model weights are stored in (read from the distributed checkpoint's metadata,
+    so it works for this project's checkpoints old and new and for Megatron-LM's).
+
+    Raises:
+        FileNotFoundError / ValueError: see :func:`read_meta`.
+    """
+    from megatron.core import dist_checkpointing
+
+    meta = read_meta(ckpt_dir, iteration)
+    md = dist_checkpointing.load_tensors_metadata(meta["path"])
+    prefix = meta["model_key_prefix"]
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"):
+        if prefix + name in md:
+            return md[prefix + name].dtype
+    raise ValueError(f"{meta['path']} holds no model weights (no {prefix}embedding.word_embeddings.weight)")
+
+
 def load_model(ckpt_dir: str, *, iteration: int | None = None, params_dtype: torch.dtype | None = None):
     """Build the model described by a checkpoint and load its weights (for inference tools).
 
