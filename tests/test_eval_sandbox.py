@@ -251,11 +251,12 @@ def test_split_verdict_semantics():
              "assert list(upto(3)) == [0, 1, 2]",
              "assert math.isclose(checked(2), 1.41421356, rel_tol=1e-6)",
              "try:\n    checked(-1)\n    assert False\nexcept ValueError:\n    pass",
+             "try:\n    checked('a')\n    assert False\nexcept TypeError:\n    pass",
              "assert sum(2, 3) == 6"]  # the entry point shadows a builtin (as mbpp/126's `sum`)
     r = verify_mbpp(code, tests, entry_point="sum")
     assert r.passed and r.verdict == "split", r
     r = verify_mbpp(code.replace("a * b", "a + b"), tests, entry_point="sum")
-    assert r.status == "failed" and "at test line 9: assert sum(2, 3) == 6" in r.message, r
+    assert r.status == "failed" and "at test line 14: assert sum(2, 3) == 6" in r.message, r
     r = verify_mbpp(code.replace("xs.sort()", "xs = sorted(xs)"), tests, entry_point="sum")
     assert r.status == "failed" and "assert xs == [1, 2, 3]" in r.message, r
     # a test_setup that needs the solution's own class: its objects stay in the sandbox

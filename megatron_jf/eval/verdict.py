@@ -185,12 +185,13 @@ class SandboxSession:
             etype, msg, where = (list(reply["raise"]) + ["", "", ""])[:3]
             exc_cls = getattr(builtins, str(etype), None)
             text = f"{msg}" + (f" [in the solution: {where}]" if where else "")
+            exc = None
             if isinstance(exc_cls, type) and issubclass(exc_cls, Exception) and exc_cls is not Exception:
                 try:
-                    raise exc_cls(text)
-                except TypeError:  # exception classes with required extra arguments
-                    pass
-            raise CandidateError(f"{str(etype)[:100]}: {text}")
+                    exc = exc_cls(text)
+                except TypeError:  # exception classes with required extra arguments (UnicodeDecodeError, ...)
+                    exc = None
+            raise exc if exc is not None else CandidateError(f"{str(etype)[:100]}: {text}")
         try:
             value = _wire.decode(reply.get("ok"))
             after = reply.get("after") or []
