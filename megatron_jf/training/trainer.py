@@ -15,7 +15,14 @@ What a step does
     ``num_microbatches = global_batch / (micro_batch * dp)`` microbatches through ``forward_step``; the
     loss function returns ``(loss_sum, count, report)`` so the schedule averages over samples (JF) or
     tokens (AR). Then gradients are synchronised over data parallelism, clipped by their global norm,
-    and the optimizer steps with the learning rate of a cosine schedule with linear warmup.
+    and the optimizer steps with the learning rate of a cosine schedule with linear warmup. With
+    ``--pp > 1`` each microbatch keeps its own row length (megatron-core ``variable_seq_lengths``: the stages
+    exchange activation shapes) unless ``--no-variable-seq-lengths`` pads every row to ``--seq-length``.
+
+Memory
+    ``--recompute-granularity/--recompute-method/--recompute-num-layers`` (Megatron-LM's meaning) go to the
+    model provider as megatron-core ``TransformerConfig`` fields (:meth:`TrainConfig.recompute_kwargs`); the
+    trainer checks that the built model carries them.
 
 Optimizers (``--use-megatron-optimizer``, automatic: on with CUDA, off without)
     * **CPU path** (megatron's optimizer hard-codes CUDA, ``shared/research/mcore_cpu.md`` Sec. 4):
