@@ -2,7 +2,7 @@
 equal the TP=1 full-row reference (output layer over every row, then ``jf_loss``).
 
 Usage: torchrun --nproc_per_node 2 tests/dist/loss_rows_tp.py WORKDIR
-For each attention path (two-stream ``nc``, dense ``nc_ic``) prints on global rank 0 three lines
+For each attention path (two-stream ``nc``, dense ``nc_ic``, packed THD ``nc``) prints on global rank 0 three lines
 ``PARITY <path>/<case> <loss rel diff> <max grad diff / max grad>`` for the cases ``tp2`` (loss-row head,
 chunked loss), ``tp2_sp`` (the same with ``--sequence-parallel``) and ``tp2_sp_fullrow`` (today's full-row
 head under sequence parallelism). The vocabulary (255) is padded to 256 at TP=2, so the padding column
@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 VOCAB = 255
-PATHS = {"two_stream": ("nc", "kl", "paper"), "dense": ("nc_ic", "soft_ce", "reference")}
+PATHS = {"two_stream": ("nc", "kl", "paper"), "dense": ("nc_ic", "soft_ce", "reference"), "packed": ("nc", "kl", "paper")}
 
 
 def build(hf, sequence_parallel):
