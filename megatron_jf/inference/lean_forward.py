@@ -186,8 +186,7 @@ class LeanForward:
             return F.embedding(tokens, w)
         outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
         local = (tokens - self.vocab_start).masked_fill_(outside, 0)
-        x = F.embedding(local, w)
-        x[outside] = 0.0
+        x = F.embedding(local, w).masked_fill_(outside.unsqueeze(-1), 0.0)  # no host sync (graph-capturable)
         return self._all_reduce(x)
 
     def _output_weight(self):
@@ -210,13 +209,35 @@ class LeanForward:
             logit_positions: which positions get logits (a slice or int64 index over ``s``); default all.
             return_logits: False skips the final norm and output layer and returns None (prefill).
         """
+        cache_attn = None
+        if kv_cache is not None:
+            def cache_attn(slot, q, k, v):
+                k, v, allow = kv_cache.update(slot, k, v)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=allow, is_causal=kv_cache.step_is_causal,
+                                                      scale=self.scale, enable_gqa=self.ng != self.nh)
+        x = self.hidden(tokens, position_ids, mask=mask, attend=cache_attn)
+        if not return_logits:
+            return None
+        if logit_positions is not None:
+            x = x[:, logit_positions]
+        return self.head(x)
+
+    def hidden(self, tokens: torch.Tensor, position_ids: torch.Tensor, *, mask: torch.Tensor | None = None,
+               attend=None, rope: tuple | None = None) -> torch.Tensor:
+        """Hidden states ``[b, s, h]`` after the last layer (before the final norm).
+
+        ``attend(slot, q [b, nh, s, hd], k/v [b, ng, s, hd]) -> [b, nh, s, hd]`` replaces the attention (a
+        KV cache; the static-shape path of :mod:`megatron_jf.inference.static_decode`); without it,
+        attention is causal or follows ``mask`` (megatron convention, True = masked out). ``rope`` gives
+        precomputed ``(cos, sin)`` ``[b, 1, s, d]`` (no host sync, for CUDA-graph capture).
+        """
         b, s = tokens.shape
         x = self._embed(tokens)  # [b, s, h]
-        cos, sin = self._rope(position_ids, x.dtype)
+        cos, sin = rope if rope is not None else self._rope(position_ids, x.dtype)
         hd, nh, ng, qpg = self.hd, self.nh, self.ng, self.qpg
         gqa = ng != nh
         sdpa_mask, causal = None, False
-        if kv_cache is None:
+        if attend is None:
             if mask is None:
                 causal = True
             else:
@@ -230,11 +251,8 @@ class LeanForward:
             v = v.transpose(1, 2)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            if kv_cache is not None:
-                k, v, allow = kv_cache.update(slot, k, v)
-                causal_here = kv_cache.step_is_causal
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=allow, is_causal=causal_here,
-                                                   scale=self.scale, enable_gqa=gqa)
+            if attend is not None:
+                o = attend(slot, q, k, v)
             else:
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, is_causal=causal,
                                                    scale=self.scale, enable_gqa=gqa)
@@ -243,10 +261,10 @@ class LeanForward:
             h = F.rms_norm(x, L.ln2.shape, L.ln2, L.eps2)
             gate, up = torch.chunk(self._linear(h, L.fc1_w, L.names[2]), 2, dim=-1)
             x = x + self._all_reduce(self._linear(F.silu(gate) * up, L.fc2_w, L.names[3]))
-        if not return_logits:
-            return None
-        if logit_positions is not None:
-            x = x[:, logit_positions]
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and (vocab-parallel, gathered) output layer: ``[b, s, h]`` -> logits ``[b, s, V_padded]``."""
         x = self.final_ln(x)
         logits = self._linear(x, self._output_weight(), "out")
         if self.tp > 1:
@@ -254,6 +272,11 @@ class LeanForward:
             torch.distributed.all_gather(parts, logits.contiguous(), group=self.tp_group)
             logits = torch.cat(parts, dim=-1)
         return logits
+
+    def rope_table(self, size: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` tables ``[>= size, d]`` (grown now, so a later capture needs no growth)."""
+        self._rope(torch.tensor([[max(size - 1, 0)]], device=self.emb.weight.device), dtype)
+        return self._cos, self._sin
 
 
 def _rotate_half(x):

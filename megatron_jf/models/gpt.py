@@ -218,7 +218,9 @@ def forward_logits(model, tokens: torch.Tensor, position_ids: torch.Tensor, *,
         new_mask: with a cache, bool ``[b|1, s, s]`` visibility among the new tokens (default causal).
         return_logits: False (a prefill whose logits nobody reads) skips the output layer where the
             forward allows it and returns None.
-        impl: ``auto`` (lean forward when supported), ``lean`` (required) or ``megatron``.
+        impl: ``auto`` (lean forward when supported; on CUDA, cached decode forwards take the static-shape
+            CUDA-graph path of :mod:`megatron_jf.inference.static_decode`), ``lean`` (required), ``static``
+            (lean + the static-shape path, eager off CUDA; for tests) or ``megatron``.
         branches: MR verification (paper Sec. 3.2): per batch row, ``(offset, length)`` of each recycled
             candidate, a tree branch that sees new token 0 (``last``) and itself; the main chain is
             new tokens ``[0, first offset)``. With one row and a cache, the forward runs in two passes:
@@ -239,8 +241,8 @@ def forward_logits(model, tokens: torch.Tensor, position_ids: torch.Tensor, *,
         raise ValueError(f"tokens {tuple(tokens.shape)} and position_ids {tuple(position_ids.shape)} must both be [b, s]")
     if ps.get_pipeline_model_parallel_world_size() > 1:
         raise ValueError("forward_logits needs pipeline-parallel size 1 (decoding does not pipeline)")
-    if impl not in ("auto", "lean", "megatron"):
-        raise ValueError(f"unknown forward impl {impl!r}; choose auto, lean or megatron")
+    if impl not in ("auto", "lean", "static", "megatron"):
+        raise ValueError(f"unknown forward impl {impl!r}; choose auto, lean, static or megatron")
     m = unwrap(model)
     dev = m.embedding.word_embeddings.weight.device if m.pre_process else next(m.parameters()).device
     tokens, position_ids = tokens.to(dev), position_ids.to(dev)
@@ -260,6 +262,16 @@ def _forward(m, tokens, position_ids, mask, kv_cache, begin_kw, return_logits, i
         from megatron_jf.inference.lean_forward import LeanForward, lean_forward_for
 
         lean = lean_forward_for(m) if impl == "auto" else (getattr(m, "_jf_lean_forward", None) or LeanForward(m))
+        if lean is not None and impl != "auto":
+            m._jf_lean_forward = lean
+    if lean is not None and kv_cache is not None and return_logits and "slots" not in begin_kw:
+        from megatron_jf.inference.static_decode import static_decode_enabled, static_decoder_for
+
+        if impl == "static" or (impl == "auto" and static_decode_enabled(tokens.device)):
+            # fixed-shape forward over the whole preallocated cache (CUDA graphs per block size on GPU)
+            out = static_decoder_for(lean, kv_cache).forward(tokens, position_ids, begin_kw.get("new_mask"))
+            if out is not None:
+                return out[..., : m.vocab_size_unpadded].float()
     if lean is not None:
         if kv_cache is not None:
             kv_cache.begin(causal_kernel=True, **begin_kw)
