@@ -240,3 +240,42 @@ def test_trainer_flags_parse_and_reject_bad_values(tmp_path):
         parse_config(base + ["--sequence-parallel"])
     with pytest.raises(ValueError, match="--loss-chunk-size must be >= 0"):
         parse_config(base + ["--loss-chunk-size", "-1"])
+
+
+def test_trainer_evaluate_equals_full_row_reference(tmp_path, mp1):
+    """Validation runs the loss-row path under no_grad: its loss and accuracy equal today's full-row loss
+    over the same validation microbatches."""
+    from functools import partial
+
+    from train_fixtures import hf_weights_provider, write_shards
+
+    import pretrain_jf
+    from megatron_jf.models.gpt import unwrap
+    from megatron_jf.testing import save_tiny_hf
+    from megatron_jf.training.attention_paths import jf_forward
+    from megatron_jf.training.config import TrainConfig
+    from megatron_jf.training.losses import jf_loss
+    from megatron_jf.training.streams import eval_batches
+    from megatron_jf.training.trainer import Trainer
+
+    d = str(tmp_path)
+    save_tiny_hf(os.path.join(d, "hf"), "qwen2", seed=5, vocab=255, layers=2, max_pos=128)
+    recs = [make_record(300 + i, prompt_len=4 + i % 3, block_size=4, num_blocks=3, vocab=255) for i in range(6)]
+    write_shards(os.path.join(d, "train"), recs[:4], per_shard=2)
+    write_shards(os.path.join(d, "valid"), recs[4:], per_shard=2)
+    cfg = TrainConfig(hf_config=os.path.join(d, "hf"), data=[os.path.join(d, "train")],
+                      valid_data=[os.path.join(d, "valid")], block_size=4, window_size=2, train_steps=1,
+                      micro_batch_size=1, lr=1e-3, warmup_steps=0, progress=False, threads=1, loss_chunk_size=3)
+    tr = Trainer(cfg, hf_weights_provider(os.path.join(d, "hf")), partial(pretrain_jf.forward_step, cfg=cfg),
+                 pretrain_jf.train_valid_datasets_provider)
+    got = tr.evaluate()
+    model = unwrap(tr.model)
+    tot = cnt = correct = pairs = 0.0
+    with torch.no_grad():
+        for batch in eval_batches(tr.valid_spec, 1, 2):
+            loss, rep = jf_loss(jf_forward(model, batch), cfg.loss_config())
+            tot, cnt = tot + loss.item(), cnt + batch.num_samples
+            correct, pairs = correct + rep["noisy acc"][0].item(), pairs + rep["noisy acc"][1].item()
+    assert cnt == 2 and abs(got["loss"] - tot / cnt) <= 1e-5 * abs(tot / cnt), (got, tot / cnt)
+    assert abs(got["noisy acc"] - correct / pairs) <= 1e-9
+    assert all(p.grad is None for p in model.parameters())  # validation formed no gradients

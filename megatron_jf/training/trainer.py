@@ -535,8 +535,9 @@ class Trainer:
         if limit == 0:
             raise ValueError(f"validation data has fewer than micro-batch-size x dp = "
                              f"{self.cfg.micro_batch_size} x {self.dp} samples")
-        reports = self._run_schedule(eval_batches(self.valid_spec, self.cfg.micro_batch_size, limit), limit,
-                                     forward_only=True)
+        with torch.no_grad():  # as Megatron-LM's evaluate: no graph, and the fused loss forms no gradients
+            reports = self._run_schedule(eval_batches(self.valid_spec, self.cfg.micro_batch_size, limit), limit,
+                                         forward_only=True)
         m = self._reduce(reports, [])
         m.pop("extra")
         m["iteration"] = self.iteration
