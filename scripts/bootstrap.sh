@@ -1,22 +1,36 @@
 #!/usr/bin/env bash
-# Create (or reuse) .venv with the pinned CPU environment and install megatron-jf in editable mode.
+# Create (or reuse) a venv with a pinned CPU environment and install megatron-jf in editable mode.
 # Idempotent: re-running after the requirements change reinstalls; otherwise it returns at once.
+#
+# Environments (JF_ENV selects one; both run in CI, see .ci/run):
+#   primary (default)  .venv     Python 3.11, requirements-cpu.txt (megatron-core 0.16.1, CPU torch 2.13.0)
+#   py312              .venv312  Python 3.12 (pyenv's 3.12.1, else python3.12), requirements-cpu.txt with the
+#                                lines of requirements-py312.txt replacing theirs (megatron-core 0.19.x)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3.11}
-command -v "$PY" >/dev/null || PY=python3
-if [ ! -x .venv/bin/python ]; then
-  echo "[bootstrap] creating .venv with $PY"
-  "$PY" -m venv .venv
+source scripts/jf_env.sh
+PY=${PYTHON:-$JF_PY}
+if [ ! -x "$JF_VENV/bin/python" ]; then
+  echo "[bootstrap] creating $JF_VENV with $PY"
+  "$PY" -m venv "$JF_VENV"
 fi
-stamp=.venv/.megatron_jf_stamp
-want=$(cat requirements-cpu.txt requirements-nodeps.txt setup.py | sha256sum | cut -c1-16)
+stamp=$JF_VENV/.megatron_jf_stamp
+want=$(cat requirements-cpu.txt requirements-nodeps.txt $JF_OVERRIDES setup.py | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
-echo "[bootstrap] installing pinned packages (a few minutes on a fresh machine)"
-.venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-cpu.txt
-.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -r requirements-nodeps.txt
-.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+reqs=requirements-cpu.txt
+if [ -n "$JF_OVERRIDES" ]; then
+  # drop every requirements-cpu.txt line whose package the override file names, then add the overrides
+  names=$(grep -v -E '^\s*(#|$)' "$JF_OVERRIDES" | sed -E 's/[=<>!~ ;\[].*//' | paste -sd'|')
+  reqs=$JF_VENV/requirements-merged.txt
+  { grep -v -i -E "^($names)([=<>!~ ;\[]|$)" requirements-cpu.txt; grep -v -E '^\s*(#|$)' "$JF_OVERRIDES"; } > "$reqs"
+fi
+echo "[bootstrap] installing pinned packages into $JF_VENV (a few minutes on a fresh machine)"
+t0=$SECONDS
+"$JF_VENV/bin/python" -m pip install -q --disable-pip-version-check -r "$reqs"
+"$JF_VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r requirements-nodeps.txt
+"$JF_VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e .
+echo "[bootstrap] installed in $((SECONDS - t0)) s"
 echo "$want" > "$stamp"
 echo "[bootstrap] done"
