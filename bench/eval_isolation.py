@@ -56,6 +56,17 @@ def main() -> None:
 
     why = isolation_status()
     print(f"isolation: {'bubblewrap namespaces, sandbox python ' + sandbox_python() if why is None else why}")
+    if why is None:  # start-up of one empty sandbox, namespaces vs plain subprocess, alternating
+        from megatron_jf.eval.code_exec import run_program
+
+        t = {"os": 0.0, "none": 0.0}
+        for _ in range(10):
+            for iso in t:
+                t0 = time.perf_counter()
+                assert run_program("pass", isolation=iso).passed
+                t[iso] += time.perf_counter() - t0
+        print(f"empty program: {t['none'] / 10:.3f} s plain subprocess, {t['os'] / 10:.3f} s in bubblewrap "
+              f"namespaces ({t['os'] / t['none']:.2f}x)")
     with tempfile.TemporaryDirectory() as tmp:
         old = load_old_package(a.before, tmp)
         print("| benchmark | n | before s/problem | after s/problem | after / before | before correct | after correct |")

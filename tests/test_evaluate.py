@@ -94,6 +94,12 @@ def test_evaluate_table_lossless_and_resume(ckpt, tmp_path, bench, task):
     assert md[0] == "| Task | Method | Speedup | TPF | TPS | Acc |"
     assert md[2].startswith(f"| {task} | AR | 1.00× | 1.00 | ") and md[2].endswith("| 0.0 |")
     assert md[3].startswith(f"| {task} | Jacobi (n=4) | {s['speedup']:.2f}× | {s['decoder']['tpf']:.2f} | ")
+    # the repeat-the-token model is degenerate: flagged next to TPF and speedup, in the table and the summary
+    assert md[4].startswith(f"| {task} | AR | ⚠ | ⚠ |") and "DEGENERATE OUTPUT" in md[4]
+    assert md[5].startswith(f"| {task} | Jacobi (n=4) | ⚠ | ⚠ |") and s["decoder"]["degeneracy"]["degenerate"]
+    assert s["isolation"] == "os" and "UNISOLATED" not in "\n".join(md)
+    if bench == "humaneval":
+        assert all(r["verdict"] == "split" and r["isolation"] == "os" for r in recs)
 
     # resume: nothing is regenerated, records are byte-identical
     before = open(f"{stem}.jsonl").read()
@@ -126,6 +132,24 @@ def test_evaluate_bad_inputs(ckpt, tmp_path, capsys):
     assert "checkpoint directory does not exist" in capsys.readouterr().err
     assert ev.main(_eval_args(str(tmp_path), tmp_path, "gsm8k")) == 2  # exists, but no checkpoint inside
     assert "holds no megatron_jf checkpoint" in capsys.readouterr().err
+
+
+def test_evaluate_refuses_code_without_isolation_unless_unisolated(ckpt, tmp_path, capsys, monkeypatch):
+    from megatron_jf.eval import sandbox
+
+    monkeypatch.setattr(sandbox, "_probe", lambda: "user namespaces are disabled (test)")
+    ev = _tool("evaluate")
+    assert ev.main(_eval_args(ckpt, tmp_path / "a", "humaneval")) == 2
+    assert "refusing to execute generated code" in capsys.readouterr().err
+    assert not (tmp_path / "a" / "humaneval_jacobi.jsonl").exists()  # refused before generating anything
+    assert ev.main(_eval_args(ckpt, tmp_path / "b", "humaneval") + ["--unisolated"]) == 0
+    err = capsys.readouterr().err
+    assert "UNISOLATED" in err and "WITHOUT OS isolation" in err
+    md = open(tmp_path / "b" / "humaneval_jacobi.md").read()
+    assert "⚠ UNISOLATED" in md
+    s = json.load(open(tmp_path / "b" / "humaneval_jacobi.summary.json"))
+    assert s["isolation"] == "none" and s["accuracy_by_benchmark"]["humaneval"]["unisolated"] == 2
+    assert ev.main(_eval_args(ckpt, tmp_path / "c", "gsm8k")) == 0  # math runs no code: no sandbox needed
 
 
 def test_visualize_live_and_shard(ckpt, tmp_path):
