@@ -130,3 +130,30 @@ def test_gpu_trainer_optimizer_groups(tmp_path):
     tr.train()
     got = effective_weight_decay(tr.optimizer.param_groups, tr.module)
     assert got and got == {n: v for n, v in _expected(tr.module).items() if n in got}
+
+
+def test_megatron_overrides_pass_megatron_consistency_check():
+    from megatron.core.optimizer import check_config_overrides_consistency
+
+    from megatron_jf.training.optim import megatron_config_overrides, megatron_optimizer_config
+
+    assert check_config_overrides_consistency(megatron_optimizer_config(_cfg(), torch.float32),
+                                              megatron_config_overrides())
+
+
+def test_megatron_ddp_overlap_grad_reduce_averages_the_same_gradients():
+    """DP=2 under torchrun (gloo, CPU): megatron-core DDP from ``megatron_ddp_config`` with and without
+    --overlap-grad-reduce (one bucket, and ten buckets via --ddp-bucket-size) equals an all-reduce average."""
+    import json
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from conftest import run_torchrun
+
+    out = run_torchrun("ddp_overlap.py", timeout=300)
+    res = [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
+    assert {(r["flags"], r["rank"]) for r in res} == {(f, rank) for f in (
+        "", "--overlap-grad-reduce", "--overlap-grad-reduce --ddp-bucket-size 4000") for rank in (0, 1)}
+    for r in res:
+        assert r["rel"] <= 1e-6 and r["local_rel"] > 1e-3, r  # averaged, and the ranks' gradients really differ
+        assert r["overlap"] == ("overlap" in r["flags"])
+        assert (r["buckets"] > 1) == ("bucket-size" in r["flags"])
