@@ -15,6 +15,8 @@ device image lacks travel as wheels in ``.whl/`` (git-ignored), fetched once on 
 
 What it does:
 
+0. ``--mask nc`` rows estimate one number (and the CPU reference); the ``nc_ic`` rows (window 16) another:
+   packed (gathered-key THD segments) vs dense (boolean mask);
 1. writes a random Qwen2.5-1.5B config (h 1536, 28 layers, 12/2 heads x 128, FFN 8960, vocab 151936, tied)
    and synthetic Jacobi trajectory shards (prompt 192, 24 blocks of n=32, 4 states per block);
 2. starts the CPU fp32 reference in the background (``CUDA_VISIBLE_DEVICES=`` so megatron_jf picks CPU,
@@ -60,7 +62,7 @@ RECOMPUTE = {
 #: (attention path, mask, recompute), most important first (the budget cuts from the end).
 CONFIGS = [("two_stream", "nc", "none"), ("two_stream", "nc", "full"), ("packed", "nc", "none"),
            ("dense", "nc", "none"), ("two_stream", "nc", "selective"), ("packed", "nc", "full"),
-           ("dense", "nc", "full")]
+           ("dense", "nc", "full"), ("packed", "nc_ic", "none"), ("dense", "nc_ic", "none")]
 
 
 def write_inputs(work: str, *, dry_run: bool, records: int, prompt_len: int, block_size: int,
@@ -82,10 +84,11 @@ def write_inputs(work: str, *, dry_run: bool, records: int, prompt_len: int, blo
 
 
 def pretrain_args(hf: str, data: str, log: str, *, path: str, mask: str, recompute: str, steps: int, mbs: int,
-                  gbs: int, seq: int, block_size: int, gpu: bool, threads: int) -> list[str]:
-    seq = 2 * seq if path == "dense" else seq  # dense rows hold prompt + noisy + clean (P + 2R)
+                  gbs: int, seq: int, block_size: int, window: int, gpu: bool, threads: int) -> list[str]:
+    if path == "dense" or (path == "packed" and mask != "nc"):
+        seq = 2 * seq  # one sample is prompt + noisy + clean (P + 2R)
     a = ["--hf-config", hf, "--data", data, "--objective", "jf", "--block-size", str(block_size),
-         "--window-size", "16", "--noise-schedule", "progressive", "--attention-path", path, "--mask", mask,
+         "--window-size", str(window), "--noise-schedule", "progressive", "--attention-path", path, "--mask", mask,
          "--seq-length", str(seq), "--micro-batch-size", str(mbs), "--global-batch-size", str(gbs),
          "--train-steps", str(steps), "--lr", "1e-5", "--warmup-steps", "0", "--clip-grad", "1.0", "--seed", "1234",
          "--log-interval", "1", "--log-file", log, "--no-progress", "--threads", str(threads), "--num-workers", "0"]
@@ -158,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default=None, help="scratch directory (default: $OUT/jf_gpu_check or /tmp)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per configuration (default 6; dry 3)")
     p.add_argument("--budget-s", type=float, default=450.0, help="start no configuration after this many seconds")
-    p.add_argument("--configs", default=None, help="comma list of path:recompute (e.g. two_stream:none,dense:full)")
+    p.add_argument("--configs", default=None,
+                   help="comma list of path:recompute[:mask] (e.g. two_stream:none,dense:full,packed:none:nc_ic)")
     p.add_argument("--no-cpu-reference", action="store_true", help="skip the CPU fp32 step-1 reference")
     a = p.parse_args(argv)
 
@@ -181,10 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     hf, data = write_inputs(work, dry_run=a.dry_run, **shape)
     configs = CONFIGS
     if a.configs:
-        want = [tuple(c.split(":")) for c in a.configs.split(",")]
-        configs = [(pth, "nc", rc) for pth, rc in want]
+        want = [c.split(":") for c in a.configs.split(",")]
+        configs = [(w[0], w[2] if len(w) > 2 else "nc", w[1]) for w in want]
     ncpu = os.cpu_count() or 2
-    common = dict(steps=steps, mbs=mbs, gbs=gbs, seq=seq, block_size=shape["block_size"])
+    common = dict(steps=steps, mbs=mbs, gbs=gbs, seq=seq, block_size=shape["block_size"],
+                  window=2 if a.dry_run else 16)
     print(f"gpu_train_check: {'DRY RUN (CPU, tiny, fp32)' if a.dry_run else 'GPU bf16'}; torch {torch.__version__}"
           f"{'; ' + torch.cuda.get_device_name() if gpu else ''}; model {'tiny' if a.dry_run else 'Qwen2.5-1.5B-shaped'}"
           f" random init; {gbs} samples/step in {gbs // mbs} microbatches of {mbs}; prompt {shape['prompt_len']} + "
@@ -209,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     longest = 0.0
     for path, mask, rc in configs:
-        name = f"{path}-{rc}"
+        name = f"{path}-{rc}" + ("" if mask == "nc" else f"-{mask}")
         elapsed = time.time() - t_start
         if elapsed + longest > a.budget_s:
             rows.append((name, {"skipped": f"time budget ({elapsed:.0f} s used of {a.budget_s:.0f})"}))
@@ -263,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         pa = f"{r['peak_allocated'] / 2**30:.2f}" if r.get("peak_allocated") else "-"
         pr = f"{r['peak_reserved'] / 2**30:.2f}" if r.get("peak_reserved") else "-"
         l1 = r["losses"][0]
-        rel = f"{(l1 - ref_loss) / abs(ref_loss):+.2e}" if ref_loss else "-"
+        rel = f"{(l1 - ref_loss) / abs(ref_loss):+.2e}" if ref_loss and not name.endswith("nc_ic") else "-"
         print(f"{name:<22}{pa:>15}{pr:>14}{statistics.median(st):>13.3f}{statistics.median(tps):>9.0f}  "
               f"{l1:>11.5f}{rel:>17}  {[round(x, 4) for x in r['losses']]}")
     print(f"CPU fp32 reference, step 1 (same seed and batch, two_stream): "

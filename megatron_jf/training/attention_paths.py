@@ -69,7 +69,7 @@ PATHS = ("two_stream", "dense", "packed", "flex")
 class JFBatch:
     """One collated microbatch, ready for the model and the loss.
 
-    Shapes: ``R`` model rows (``2B`` for two-stream, ``B`` for dense, ``1`` for packed ``nc``), ``S`` padded
+    Shapes: ``R`` model rows (``2B`` for two-stream, ``B`` for dense, ``1`` for packed), ``S`` padded
     row length (packed: the total packed length ``T``),
     ``C`` consistency pairs, ``M`` AR positions, ``B`` samples. Flat indices index the model output
     viewed as ``[R * S, V_local]``.
@@ -95,7 +95,8 @@ class JFBatch:
         anchor_targets: int64 ``[K]`` next-token ids at ``anchor_index`` (``None`` without anchor rows).
         num_anchor_rows: ``A``, the anchor rows appended (rows ``R - A .. R - 1``; 0 without).
         packed_seq_params: megatron-core ``PackedSeqParams`` (``qkv_format="thd"``, int32 ``cu_seqlens_q`` =
-            ``cu_seqlens_kv`` ``[segments + 1]``, ``max_seqlen_q/kv``) on the packed ``nc`` path, else ``None``.
+            ``cu_seqlens_kv`` ``[segments + 1]``, ``max_seqlen_q/kv``) on the packed path, else ``None``; for
+            ``nc_ic`` / ``clean`` a :class:`~megatron_jf.models.attention.GatheredKVPackedSeqParams`.
     """
 
     tokens: torch.Tensor
