@@ -36,6 +36,16 @@ def test_quickstart_smoke_end_to_end(tmp_path):
     fastest = next(r["fastest_ar"] for r in rep["rows"] if r["model"] == "JF round 2")
     assert f"| JF round 2 | {fastest} | 1.00x | 1.00 |" in md
     assert (out / "report" / "tpf_by_block_size.png").stat().st_size > 1000
+    # degenerate output (one repeated token, distinct-2 too low) or L_pc = 0 throughout a JF round is flagged next
+    # to TPF and speedup, exactly when the saved outputs / training logs show it
+    from megatron_jf.eval.degenerate import degeneracy, pc_loss_identically_zero
+
+    for label, ck in (("base", "base"), ("JF round 1", "jf1"), ("JF round 2", "jf2")):
+        outs = json.loads((out / "report" / f"eval_{ck}.json").read_text())["outputs"]
+        flagged = degeneracy(outs)["degenerate"] or (ck != "base" and bool(pc_loss_identically_zero(
+            str(out / f"{ck}_log.jsonl"))))
+        assert all(bool(r["output_warning"]) == flagged for r in rep["rows"] if r["model"] == label), label
+        assert (f"**WARNING ({label})**" in md) == flagged and (label in rep["warnings"]) == flagged
     # resumable: a second run skips every stage
     p2 = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert p2.returncode == 0 and p2.stdout.count("done earlier, skipping") == 8
