@@ -143,7 +143,8 @@ def test_megatron_overrides_pass_megatron_consistency_check():
 
 def test_megatron_ddp_overlap_grad_reduce_averages_the_same_gradients():
     """DP=2 under torchrun (gloo, CPU): megatron-core DDP from ``megatron_ddp_config`` with and without
-    --overlap-grad-reduce (one bucket, and ten buckets via --ddp-bucket-size) equals an all-reduce average."""
+    --overlap-grad-reduce (one bucket, and ten buckets via --ddp-bucket-size) equals an all-reduce average; with
+    --use-distributed-optimizer each rank's reduce-scattered shard does."""
     import json
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -152,7 +153,8 @@ def test_megatron_ddp_overlap_grad_reduce_averages_the_same_gradients():
     out = run_torchrun("ddp_overlap.py", timeout=300)
     res = [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
     assert {(r["flags"], r["rank"]) for r in res} == {(f, rank) for f in (
-        "", "--overlap-grad-reduce", "--overlap-grad-reduce --ddp-bucket-size 4000") for rank in (0, 1)}
+        "", "--overlap-grad-reduce", "--overlap-grad-reduce --ddp-bucket-size 4000", "--use-distributed-optimizer",
+        "--use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 4000") for rank in (0, 1)}
     for r in res:
         assert r["rel"] <= 1e-6 and r["local_rel"] > 1e-3, r  # averaged, and the ranks' gradients really differ
         assert r["overlap"] == ("overlap" in r["flags"])
