@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -239,10 +240,14 @@ def packed_causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         if n == m:
             o = F.scaled_dot_product_attention(q[None, :, a:b], k[None, :, c:d], v[None, :, c:d], is_causal=True,
                                                scale=scale, enable_gqa=gqa)
-        else:
-            allow = torch.arange(n, device=q.device)[None, :] <= (n - m) + torch.arange(m, device=q.device)[:, None]
-            o = F.scaled_dot_product_attention(q[None, :, a:b], k[None, :, c:d], v[None, :, c:d], attn_mask=allow,
-                                               scale=scale, enable_gqa=gqa)
+        else:  # bottom-right causal: torch's CausalBias keeps SDPA on its fused kernels (no mask tensor)
+            try:
+                o = F.scaled_dot_product_attention(q[None, :, a:b], k[None, :, c:d], v[None, :, c:d],
+                                                   attn_mask=causal_lower_right(m, n), scale=scale, enable_gqa=gqa)
+            except (TypeError, RuntimeError, NotImplementedError):  # older torch: an explicit boolean mask
+                allow = torch.arange(n, device=q.device)[None, :] <= (n - m) + torch.arange(m, device=q.device)[:, None]
+                o = F.scaled_dot_product_attention(q[None, :, a:b], k[None, :, c:d], v[None, :, c:d],
+                                                   attn_mask=allow, scale=scale, enable_gqa=gqa)
         outs.append(o[0])
     out = torch.cat(outs, dim=1)  # [np, t, hn]
     return out.transpose(0, 1).reshape(t, nh * hd)
