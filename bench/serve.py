@@ -97,6 +97,42 @@ def run_load(url: str, jfs: list[dict], clients: int, per_client: int, max_token
             "batch": round(statistics.mean(bsz), 2)}
 
 
+def engine_steps(ckpt: str, cfgs: list[dict], rows: int, max_tokens: int, repeats: int, splits=(256, None)) -> list[dict]:
+    """Engine-level check without HTTP: ``rows`` prompts decoded in one BatchSession, same config (each of
+    ``cfgs``) vs mixed (row ``i`` uses ``cfgs[i % len(cfgs)]``), with the step split on and off; runs are
+    interleaved ``repeats`` times and the median tok/s is reported (less noise than the HTTP load)."""
+    sys.path.insert(0, REPO)
+    from megatron_jf import parallel
+    from megatron_jf.checkpointing import load_model, tokenizer_path
+    from megatron_jf.inference.engine import DecodeConfig, Engine
+    from megatron_jf.tokenizer import load_tokenizer
+
+    parallel.initialize(1, 1)
+    tok = load_tokenizer(tokenizer_path(ckpt))
+    model, _, _ = load_model(ckpt)
+    eng = Engine(model)
+    prompts = [tok.encode(f"{PROMPTS[i % len(PROMPTS)]} {i}") for i in range(rows)]
+    mixes = [(c["decoder"], [c]) for c in cfgs] + [("mixed", cfgs)]
+    times: dict[tuple, list[float]] = {}
+    toks: dict[tuple, int] = {}
+    for _ in range(repeats):
+        for mix, jfs in mixes:
+            for split in splits:
+                sess = eng.open_batch(rows, max_width=512, split_min_saving=split)
+                for i, pr in enumerate(prompts):
+                    sess.add(pr, DecodeConfig(**jfs[i % len(jfs)]), max_new_tokens=max_tokens)
+                t0, n = time.perf_counter(), 0
+                while sess.num_rows:
+                    n += sum(len(r.tokens) for _, r in sess.step())
+                times.setdefault((mix, split), []).append(time.perf_counter() - t0)
+                toks[(mix, split)] = n
+    out = []
+    for (mix, split), ts in times.items():
+        out.append({"engine_mix": mix, "split_min_saving": split, "rows": rows,
+                    "tok_s": round(toks[(mix, split)] / statistics.median(ts), 1)})
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", default=None, help="checkpoint (default: build the tiny test checkpoint)")
@@ -110,6 +146,8 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=120.0, help="per-request timeout (s)")
     p.add_argument("--batch-wait-ms", type=float, default=None, help="server --batch-wait-ms (default: its own)")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--engine-repeats", type=int, default=3,
+                   help="interleaved repeats of the engine-level (no HTTP) same vs mixed check; 0 skips it")
     args = p.parse_args(argv)
 
     import httpx
@@ -176,6 +214,17 @@ def main(argv=None) -> int:
             print(f"{n:3d} clients: mixed {mixed[0]:.1f} tok/s = {mixed[0] / mean:.2f} x mean same-config "
                   f"({mean:.1f}), {mixed[0] / max(same):.2f} x best same-config ({max(same):.1f})")
     results.append({"summary": summary})
+    if args.engine_repeats > 0:
+        eng = engine_steps(ckpt, cfgs, max(args.clients), args.max_tokens, args.engine_repeats)
+        print(f"\nengine only (one BatchSession, {max(args.clients)} rows, median of {args.engine_repeats}):")
+        for split in (256, None):
+            same = [r["tok_s"] for r in eng if r["split_min_saving"] == split and r["engine_mix"] != "mixed"]
+            mixed = next(r["tok_s"] for r in eng if r["split_min_saving"] == split and r["engine_mix"] == "mixed")
+            per = ", ".join(f"{r['engine_mix']} {r['tok_s']:.0f}" for r in eng
+                            if r["split_min_saving"] == split and r["engine_mix"] != "mixed")
+            print(f"  split {'on ' if split else 'off'}: mixed {mixed:.1f} tok/s = "
+                  f"{mixed / (sum(same) / len(same)):.2f} x mean same-config ({per})")
+        results.append({"engine": eng})
     if args.json:
         sys.path.insert(0, REPO)
         from megatron_jf.fileio import atomic_write_json

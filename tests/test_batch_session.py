@@ -94,9 +94,11 @@ def test_issue_example_stop_qnop(engines):
         assert sum(r.accepted) == 2
 
 
-def test_mixed_configs_in_one_session_equal_offline(engines):
-    """Rows with different decoders, block sizes, caps, EOS ids and sampling decode in the same steps; rows
-    join mid-way and some leave early (removed); every finished row equals its own offline generate."""
+@pytest.mark.parametrize("split", [None, 1], ids=["one-forward", "split-forward"])
+def test_mixed_configs_in_one_session_equal_offline(engines, split):
+    """Rows with different decoders, block sizes, caps, EOS ids and sampling decode in the same steps (one
+    padded forward, or wide and narrow rows in two); rows join mid-way and some leave early (removed);
+    every finished row equals its own offline generate."""
     from megatron_jf.inference.engine import DecodeConfig
     from megatron_jf.inference.sampling import SamplingParams
 
@@ -108,7 +110,13 @@ def test_mixed_configs_in_one_session_equal_offline(engines):
             samp = SamplingParams() if i % 3 else SamplingParams(temperature=0.8, top_k=20, seed=100 + i)
             specs.append(dict(prompt=p, cfg=DecodeConfig(d, **kw), max_new=10 + 7 * i, sampling=samp,
                               eos=frozenset({p[0]}) if i == 5 else frozenset()))
-        sess = eng.open_batch(6, max_width=64)
+        sess = eng.open_batch(6, max_width=64, split_min_saving=split)
+        splits = []
+        arrange = sess._arrange
+        sess._arrange = lambda seqs: splits.append(arrange(seqs)) or splits[-1]
+        swaps = []
+        swap = sess._swap
+        sess._swap = lambda i, j: swaps.append((i, j)) or swap(i, j)
         keys, results, streamed = {}, {}, {}
 
         def on_tokens(k, ids):
@@ -133,6 +141,7 @@ def test_mixed_configs_in_one_session_equal_offline(engines):
                 removed = next(k for k in keys if keys[k] not in results)
                 assert sess.remove(removed) and not sess.remove(removed)
         assert keys[removed] not in results
+        assert any(splits) == (split is not None) == bool(swaps)  # the split path ran and swapped rows, or never
         for i, s in enumerate(specs):
             if i == keys[removed]:
                 continue

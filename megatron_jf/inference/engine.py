@@ -214,7 +214,7 @@ class Engine:
 
     # ------------------------------------------------------------------ public API
     def open_batch(self, capacity: int, *, max_width: int = 256, max_len: int | None = None,
-                   detokenize=None) -> "BatchSession":
+                   detokenize=None, split_min_saving: int | None = 256) -> "BatchSession":
         """A step-level decoding session of at most ``capacity`` rows (continuous batching).
 
         Args:
@@ -223,8 +223,11 @@ class Engine:
                 config needs more are refused by :meth:`BatchSession.add`.
             max_len: KV slots per row (default ``max_context + max_width + 1``).
             detokenize: ``ids -> str``, needed by rows with stop strings.
+            split_min_saving: a step runs as two forwards (wide rows, then narrow ones such as AR next to
+                MR) when that saves at least this many padded tokens; None: always one forward.
         """
-        return BatchSession(self, capacity, max_width=max_width, max_len=max_len, detokenize=detokenize)
+        return BatchSession(self, capacity, max_width=max_width, max_len=max_len, detokenize=detokenize,
+                            split_min_saving=split_min_saving)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], config: DecodeConfig = DecodeConfig(), *,
@@ -278,14 +281,17 @@ class BatchSession:
     A row :meth:`add`-ed between steps is prefilled at the start of the next step and then joins that
     step's decode forward; a row :meth:`remove`-d (e.g. its client disconnected) leaves before the next
     forward. Rows occupy a compact prefix of the KV-cache rows (a finishing row's slot is filled by the
-    last row), so a forward covers only the live rows. A row's output does not depend on the other rows
+    last row), so a forward covers only the live rows. When rows forward very different numbers of tokens
+    (AR next to MR), the step runs as two forwards -- wide rows, then narrow ones -- rather than padding
+    every row to the widest (``split_min_saving``). A row's output does not depend on the other rows
     (shapes are padded per forward), so greedy output equals offline :meth:`Engine.generate`, and sampled
     rows draw from their own seeded generator.
 
     Create with :meth:`Engine.open_batch`. Not thread-safe: one thread calls add/remove/step.
     """
 
-    def __init__(self, engine: Engine, capacity: int, *, max_width: int, max_len: int | None, detokenize):
+    def __init__(self, engine: Engine, capacity: int, *, max_width: int, max_len: int | None, detokenize,
+                 split_min_saving: int | None = 256):
         if capacity < 1 or max_width < 1:
             raise ValueError(f"capacity and max_width must be >= 1, got {capacity}, {max_width}")
         self.engine = engine
@@ -295,6 +301,7 @@ class BatchSession:
         self.max_width = max_width
         self.max_len = max_len or (engine.max_context + max_width + 1)
         self.detokenize = detokenize
+        self.split_min_saving = split_min_saving
         self.cache = new_kv_cache(self.model, capacity, self.max_len)
         self._rows: list[_Row] = []        # live rows; row i sits in cache slot i
         self._pending: list[_Row] = []     # added, not prefilled yet
@@ -408,9 +415,8 @@ class BatchSession:
         if not self._rows:
             return []
         t1 = time.perf_counter()
-        m = len(self._rows)
-        cache = _rows_view(self.cache, m)
         rows = self._rows
+        m = len(rows)
         seqs = []
         for r in rows:
             if r.cfg.decoder == "mr":
@@ -422,6 +428,85 @@ class BatchSession:
             for c in r.cands:
                 seq = seq + c
             seqs.append(seq)
+        a = self._arrange(seqs)
+        seqs = [[r.last] + r.draft + [t for c in r.cands for t in c] for r in rows]  # rows may have moved
+        groups = [(0, a), (a, m)] if a else [(0, m)]
+        for lo, hi in groups:
+            self._forward(lo, hi, seqs[lo:hi], on_tokens)
+        dt = time.perf_counter() - t1
+        for r in rows:
+            r.decode_s += dt
+        if self.engine.check_invariants:
+            for i, r in enumerate(rows):  # the cache holds prompt + emitted tokens, all but the newest one
+                want = len(r.prompt) + len(r.out) - 1
+                if int(self.cache.lengths[i]) != want and not r.done:
+                    raise AssertionError(f"row {r.key}: cache length {int(self.cache.lengths[i])} != {want}")
+        finished = []
+        for i in range(len(rows) - 1, -1, -1):
+            r = rows[i]
+            if r.done:
+                if r.traj is not None:
+                    _close_trajectory(r, r.cfg.block_size)
+                finished.append((r.key, GenerationResult(
+                    tokens=r.out, finish_reason=r.finish, forwards=r.forwards, accepted=r.accepted,
+                    prefill_s=r.prefill_s, decode_s=r.decode_s, prompt_len=len(r.prompt), trajectory=r.traj,
+                    tail_text=r.tail, draft_lens=r.draft_lens, draft_accepted=r.draft_accepted)))
+                self._release(i)
+        finished.reverse()
+        return finished
+
+    def _arrange(self, seqs: list[list[int]]) -> int:
+        """Split the step into two forwards when rows forward very different numbers of tokens (e.g. AR
+        next to MR): rows are reordered (KV rows swapped) so the wide ones come first. Returns the number
+        of wide rows, or 0 for one forward. A row is narrow when its config's width (tokens per forward)
+        is at most a quarter of the widest live config's; the split is taken when it saves at least
+        ``split_min_saving`` padded tokens."""
+        m = len(self._rows)
+        if self.split_min_saving is None or m < 2:
+            return 0
+        ws = [forward_width(r.cfg) for r in self._rows]
+        wmax = max(ws)
+        narrow = [4 * w <= wmax for w in ws]
+        n_wide = m - sum(narrow)
+        if n_wide in (0, m):
+            return 0
+        lens = [len(x) for x in seqs]
+        s_w = max(n for n, nr in zip(lens, narrow) if not nr)
+        s_n = max(n for n, nr in zip(lens, narrow) if nr)
+        if m * max(s_w, s_n) - (n_wide * s_w + (m - n_wide) * s_n) < self.split_min_saving:
+            return 0
+        i, j = 0, m - 1
+        while True:  # partition: wide rows to the front
+            while i < m and not narrow[i]:
+                i += 1
+            while j >= 0 and narrow[j]:
+                j -= 1
+            if i >= j:
+                break
+            self._swap(i, j)
+            narrow[i], narrow[j] = narrow[j], narrow[i]
+        return n_wide
+
+    def _swap(self, i: int, j: int) -> None:
+        """Exchange rows ``i`` and ``j`` (their committed keys/values, lengths and slots)."""
+        c = self.cache
+        li, lj = int(c.lengths[i]), int(c.lengths[j])
+        ki, vi = c.k[:, i, :, :li].clone(), c.v[:, i, :, :li].clone()
+        c.k[:, i, :, :lj] = c.k[:, j, :, :lj]
+        c.v[:, i, :, :lj] = c.v[:, j, :, :lj]
+        c.k[:, j, :, :li] = ki
+        c.v[:, j, :, :li] = vi
+        c.lengths[i], c.lengths[j] = lj, li
+        rows = self._rows
+        rows[i], rows[j] = rows[j], rows[i]
+        rows[i].slot, rows[j].slot = i, j
+
+    def _forward(self, lo: int, hi: int, seqs: list[list[int]], on_tokens) -> None:
+        """One decode forward for rows ``[lo, hi)`` (their drafts and candidates in ``seqs``), then
+        verification and the KV commit of each."""
+        rows = self._rows[lo:hi]
+        m = hi - lo
+        cache = _rows_view(self.cache, lo, hi)
         s = max(len(x) for x in seqs)
         toks = torch.zeros(m, s, dtype=torch.long)
         pos = torch.zeros(m, s, dtype=torch.long)
@@ -449,27 +534,6 @@ class BatchSession:
         logits = forward_logits(self.model, toks, pos, kv_cache=cache, new_mask=tree, branches=branches)
         keep = [self._update(r, logits[i], on_tokens) for i, r in enumerate(rows)]
         cache.commit(keep)
-        dt = time.perf_counter() - t1
-        for r in rows:
-            r.decode_s += dt
-        if self.engine.check_invariants:
-            for i, r in enumerate(rows):  # the cache holds prompt + emitted tokens, all but the newest one
-                want = len(r.prompt) + len(r.out) - 1
-                if int(self.cache.lengths[i]) != want and not r.done:
-                    raise AssertionError(f"row {r.key}: cache length {int(self.cache.lengths[i])} != {want}")
-        finished = []
-        for i in range(len(rows) - 1, -1, -1):
-            r = rows[i]
-            if r.done:
-                if r.traj is not None:
-                    _close_trajectory(r, r.cfg.block_size)
-                finished.append((r.key, GenerationResult(
-                    tokens=r.out, finish_reason=r.finish, forwards=r.forwards, accepted=r.accepted,
-                    prefill_s=r.prefill_s, decode_s=r.decode_s, prompt_len=len(r.prompt), trajectory=r.traj,
-                    tail_text=r.tail, draft_lens=r.draft_lens, draft_accepted=r.draft_accepted)))
-                self._release(i)
-        finished.reverse()
-        return finished
 
     def _prefill(self) -> None:
         """Forward every pending row's prompt but its last token (which is ``last``, forwarded with the
@@ -688,14 +752,15 @@ def _matches(draft: list[int], g: list[int]) -> int:
     return k
 
 
-def _rows_view(cache, m: int):
-    """A :class:`~megatron_jf.models.kv_cache.KVCache` over rows ``[0, m)`` of ``cache``, sharing its buffers
+def _rows_view(cache, lo: int, hi: int):
+    """A :class:`~megatron_jf.models.kv_cache.KVCache` over rows ``[lo, hi)`` of ``cache``, sharing its buffers
     and lengths (a forward and commit on the view act on those rows only)."""
-    if m == cache.batch_size:
+    if lo == 0 and hi == cache.batch_size:
         return cache
     v = object.__new__(type(cache))
     v.__dict__.update(cache.__dict__)
-    v.k, v.v, v.lengths, v.batch_size, v._step = cache.k[:, :m], cache.v[:, :m], cache.lengths[:m], m, None
+    v.k, v.v, v.lengths = cache.k[:, lo:hi], cache.v[:, lo:hi], cache.lengths[lo:hi]
+    v.batch_size, v._step = hi - lo, None
     return v
 
 
