@@ -69,7 +69,8 @@ def main() -> None:
               f"namespaces ({t['os'] / t['none']:.2f}x)")
     with tempfile.TemporaryDirectory() as tmp:
         old = load_old_package(a.before, tmp)
-        print("| benchmark | n | before s/problem | after s/problem | after / before | before correct | after correct |")
+        print("| benchmark | n | before s/problem | after s/problem | after / before | before correct "
+              "| after correct |")
         print("|---|---|---|---|---|---|---|")
         for bench in a.benchmarks.split(","):
             probs = load_benchmark(bench, limit=a.n)

@@ -58,6 +58,7 @@ def test_humaneval_all_canonical_solutions_pass(humaneval):
     agg = aggregate(scores)["humaneval"]
     assert agg["n"] == 164
     assert agg["correct"] == 164, [(s.task_id, s.message) for s in scores if not s.correct][:5]
+    assert all(s.verdict == "split" and s.isolation == "os" for s in scores)  # every check decided outside
     assert agg["metric"] == "pass@1" and agg["accuracy"] == 1.0
     assert time.monotonic() - t0 < 120
 
@@ -112,9 +113,11 @@ def test_mbpp_gold_code_passes_subset(mbpp):
     scores = score_many(subset, [p.reference for p in subset], workers=2)
     assert len(scores) == 50
     assert all(s.correct for s in scores), [(s.task_id, s.message) for s in scores if not s.correct]
+    assert all(s.verdict == "split" for s in scores)
     # the one problem with test_setup_code (binary-tree fixtures) needs it
     setup = [p for p in mbpp if p.test_setup]
-    assert score_many(setup, [p.reference for p in setup])[0].correct
+    s = score_many(setup, [p.reference for p in setup])[0]
+    assert s.correct and s.verdict == "split"  # its tree objects stay in the sandbox (RemoteRef)
 
 
 @pytest.mark.skipif(not RUN_SLOW, reason="slow: all 500 MBPP gold solutions (~30 s on 2 cores); set JF_RUN_SLOW=1")

@@ -11,8 +11,9 @@ so the program runs in its own user, mount, PID, network, IPC, UTS and cgroup na
 ``/usr`` and interpreter and nothing else of the host (no ``/work``, ``/root``, ``/home``, no evaluator files,
 no benchmark data); its only writable place is a private, size-limited ``tmpfs`` at ``/tmp`` (cwd
 ``/tmp/jf_work``) that vanishes with the sandbox; it has no network (only a down loopback); it cannot see, signal
-or ``pidfd_open`` any process outside its PID namespace; and when the sandbox's PID 1 dies (timeout kill, or the evaluator dying: ``--die-with-parent``)
-the kernel kills every process left in the namespace, ``setsid`` grandchildren included.
+or ``pidfd_open`` any process outside its PID namespace; and when the sandbox's PID 1 dies (timeout kill, or the
+evaluator dying: ``--die-with-parent``) the kernel kills every process left in the namespace, ``setsid``
+grandchildren included.
 
 When the evaluator runs as root, ``bwrap`` itself is started as the unprivileged uid/gid :data:`SANDBOX_UID`
 (``nobody``), so the program is unprivileged outside its namespace as well (``RLIMIT_NPROC`` then applies, and

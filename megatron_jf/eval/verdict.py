@@ -18,8 +18,11 @@ candidate mutates in place (lists, dicts, sets, bytearrays) are copied back afte
 Problems whose check cannot be split (an argument that cannot be transferred, such as a function object, or a
 prompt/test source that does not execute on its own) fall back to :func:`megatron_jf.eval.code_exec.run_program`,
 the whole program in the sandbox with the in-process verdict; the result says ``verdict="in-sandbox"`` and the
-aggregate lists those task ids (none of HumanEval's 164 and MBPP's 500 reference solutions need it; see
-``tests/test_eval_verdict.py``).
+aggregate lists those task ids. None of HumanEval's 164 and MBPP's 500 reference solutions needs it (all are
+scored ``verdict="split"``, ``tests/test_eval_code_exec.py``); mbpp/367, whose ``test_setup_code`` builds trees
+from the solution's own ``Node`` class, is split with :class:`RemoteRef` arguments. No tampering inside an
+``"in-sandbox"`` check can be detected from outside (the process that decides is the one under test); such
+results are only ever reported as what they are.
 """
 
 from __future__ import annotations
