@@ -10,6 +10,7 @@ import os
 import tempfile
 import textwrap
 import time
+import uuid
 
 import pytest
 
@@ -36,16 +37,28 @@ def _wrong(attack: str) -> str:
         "    return False\n```"
 
 
+MARK = "JF_ESCAPE_MARK_" + uuid.uuid4().hex[:12]  # unique: other test runs may share this machine
+
+
 def _host_state():
+    """Host processes whose command line carries this run's marker (sandboxed ones included: the host sees them)."""
     procs = set()
     for d in glob.glob("/proc/[0-9]*/cmdline"):
         try:
             with open(d, "rb") as f:
-                if b"JF_ESCAPE_MARK" in f.read():
+                if MARK.encode() in f.read():
                     procs.add(d)
         except OSError:
             pass
-    return sorted(glob.glob(os.path.join(tempfile.gettempdir(), "jf_exec_*"))), procs
+    return procs
+
+
+@pytest.fixture()
+def no_host_tempdirs(monkeypatch):
+    """With OS isolation nothing is created on the host: creating a temp dir fails the test."""
+    def boom(*a, **k):
+        raise AssertionError("a host temp dir was created")
+    monkeypatch.setattr(tempfile, "mkdtemp", boom)
 
 
 @needs_os
@@ -97,7 +110,7 @@ ESCAPES = {
     """,
     "fork_exec_setsid": """
         import _posixsubprocess, os
-        args = [b'/bin/sh', b'-c', b'sleep 4; echo pwned > {target}; : JF_ESCAPE_MARK']
+        args = [b'/bin/sh', b'-c', b'sleep 4; echo pwned > {target}; : {mark}']
         try:
             _posixsubprocess.fork_exec(args, [b'/bin/sh'], True, (), None, None, -1, -1, -1, -1, -1, -1,
                                        *os.pipe(), True, True, -1, None, None, None, -1, None, False)
@@ -174,12 +187,12 @@ ESCAPES = {
 
 @needs_os
 @pytest.mark.parametrize("name", sorted(ESCAPES))
-def test_escape_is_contained_and_scores_failed(name, he0, tmp_path):
+def test_escape_is_contained_and_scores_failed(name, he0, tmp_path, no_host_tempdirs):
     target = tmp_path / "victim.txt"
     target.write_text("intact")
     new = tmp_path / "created.txt"
     attack = ESCAPES[name].format(target=str(target), rel_target=str(target).lstrip("/"),
-                                  rel_new=str(new).lstrip("/"))
+                                  rel_new=str(new).lstrip("/"), mark=MARK)
     before = _host_state()
     completion = _wrong(attack)
     if name == "always_equal":  # the forged object replaces the wrong function
@@ -190,17 +203,17 @@ def test_escape_is_contained_and_scores_failed(name, he0, tmp_path):
     time.sleep(5 if name == "fork_exec_setsid" else 0)  # a surviving grandchild would write after 4 s
     assert target.read_text() == "intact" and not new.exists()
     assert sorted(os.listdir(tmp_path)) == ["victim.txt"]
-    assert _host_state() == before  # no temp dir, no process left behind
+    assert _host_state() == before  # no process left behind (and no temp dir: no_host_tempdirs)
     assert score(he0, he0.reference).correct  # the evaluator still works
 
 
 @needs_os
-def test_grandchild_in_setsid_dies_with_the_sandbox_even_when_processes_are_allowed():
+def test_grandchild_in_setsid_dies_with_the_sandbox_even_when_processes_are_allowed(no_host_tempdirs):
     # process creation allowed (no RLIMIT_NPROC, no audit refusal of _posixsubprocess): the PID namespace still
     # takes a setsid grandchild down when the sandbox ends, normally or at the timeout
-    prog = textwrap.dedent("""
+    prog = textwrap.dedent(f"""
         import _posixsubprocess, os
-        args = [b'/bin/sh', b'-c', b'exec sleep 30 # JF_ESCAPE_MARK']
+        args = [b'/bin/sh', b'-c', b'exec sleep 30 # {MARK}']
         _posixsubprocess.fork_exec(args, [b'/bin/sh'], True, (), None, None, -1, -1, -1, -1, -1, -1,
                                    *os.pipe(), True, True, -1, None, None, None, -1, None, False)
     """)
@@ -282,3 +295,29 @@ def test_humaneval_check_uses_prompt_helpers_and_not_the_solutions(tmp_path):
     s = score(odd, "    return f(x)\n")
     assert s.correct and s.verdict == "in-sandbox" and "not split" in s.message
     assert aggregate([s])["humaneval"]["in_sandbox_ids"] == ["odd/0"]
+
+
+@needs_os
+def test_sandbox_dies_with_the_evaluator():
+    import signal
+    import subprocess
+    import sys
+
+    code = ("from megatron_jf.eval.code_exec import run_program\n"
+            "print('started', flush=True)\n"
+            f"run_program('import time\\ntime.sleep(60)  # {MARK}\\n', timeout_s=120)\n")
+    before = _host_state()
+    ev = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert ev.stdout.readline().strip() == "started"
+    deadline = time.monotonic() + 30
+    while _host_state() == before and time.monotonic() < deadline:  # the sandboxed sleeper is up
+        time.sleep(0.2)
+    assert _host_state() != before
+    ev.send_signal(signal.SIGKILL)
+    ev.wait()
+    ev.stdout.close()
+    deadline = time.monotonic() + 10
+    while _host_state() != before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _host_state() == before  # bwrap --die-with-parent took the whole sandbox down
