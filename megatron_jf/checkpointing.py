@@ -5,18 +5,20 @@ Directory layout (Megatron-LM's)::
 
     CKPT/
       latest_checkpointed_iteration.txt     # "120" (or "release"): the newest complete checkpoint
-      iter_0000120/                         # dist_checkpointing files: .metadata, *.distcp, common.pt, metadata.json
+      iter_0000120/                         # dist_checkpointing files: .metadata, *.distcp, metadata.json (+ common.pt up to mcore 0.16)
         jf_meta.json                        # this project's extra file (model args as JSON, training state)
       release/                              # what a "release" pointer names (Megatron-LM's converted models)
       tokenizer/                            # tokenizer files copied from the HF checkpoint
 
 Megatron-LM interop. The model's sharded keys are ``GPTModel.sharded_state_dict()`` keys with no prefix
 (``embedding.word_embeddings.weight``, ``decoder.layers.self_attention.linear_qkv.weight``, ...) under the
-state-dict entry ``model``, as Megatron-LM's ``generate_state_dict`` saves them, and ``common.pt`` carries
+state-dict entry ``model``, as Megatron-LM's ``generate_state_dict`` saves them, and the common state carries
 ``args`` (an ``argparse.Namespace`` with Megatron-LM's argument names, :func:`megatron_lm_args`),
 ``iteration`` and ``checkpoint_version`` (3.0), which Megatron-LM's ``load_args_from_checkpoint`` and
-``load_checkpoint`` read. A checkpoint without ``jf_meta.json`` (one Megatron-LM wrote) is read from
-``common.pt`` instead (:func:`model_args_from_megatron_lm`). Checkpoints of this project saved before the
+``load_checkpoint`` read. (megatron-core 0.16 keeps the common state in ``common.pt``; newer releases keep it
+as a ``common_state`` object inside the torch DCP files; ``dist_checkpointing.load_common_state_dict`` reads
+both.) A checkpoint without ``jf_meta.json`` (one Megatron-LM wrote) is read from the common state instead
+(:func:`model_args_from_megatron_lm`). Checkpoints of this project saved before the
 change (model keys prefixed ``model.``, no ``model_key_prefix`` in ``jf_meta.json``) still load.
 Megatron-LM reads the model weights of our checkpoints (``--finetune`` / ``--no-load-optim
 --no-load-rng``); optimizer and RNG state are in this project's own layout.
@@ -60,9 +62,11 @@ def iter_dir(ckpt_dir: str, iteration: int) -> str:
 
 def _is_complete(path: str) -> bool:
     """A finished checkpoint directory: ours (``jf_meta.json``, written last) or Megatron-LM's
-    (dist_checkpointing's ``metadata.json`` and ``common.pt``)."""
+    (dist_checkpointing's ``metadata.json`` plus torch DCP's ``.metadata``, written when the save finishes,
+    or a legacy ``common.pt``)."""
     return os.path.isfile(os.path.join(path, META)) or (
-        os.path.isfile(os.path.join(path, "metadata.json")) and os.path.isfile(os.path.join(path, "common.pt")))
+        os.path.isfile(os.path.join(path, "metadata.json"))
+        and any(os.path.isfile(os.path.join(path, n)) for n in (".metadata", "common.pt")))
 
 
 def _read_pointer(ckpt_dir: str) -> tuple[int, str] | None:
@@ -86,7 +90,7 @@ def _read_pointer(ckpt_dir: str) -> tuple[int, str] | None:
         raise ValueError(f"{path} names {text!r} but {d} is missing")
     if not _is_complete(d):
         raise ValueError(f"{path} names {text!r} but {d} is incomplete (neither {META} nor "
-                         f"dist_checkpointing's metadata.json + common.pt)")
+                         f"a finished dist_checkpointing save: metadata.json + .metadata)")
     return it, d
 
 
@@ -127,7 +131,7 @@ def checkpoint_path(ckpt_dir: str, iteration: int | None = None) -> str:
 def read_meta(ckpt_dir: str, iteration: int | None = None) -> dict:
     """Metadata of a checkpoint: ``model_args``, ``iteration``, ``tp``, ``pp``, ``common``, ``path``.
 
-    From ``jf_meta.json``, or for a Megatron-LM checkpoint (none there) from the ``args`` in ``common.pt``.
+    From ``jf_meta.json``, or for a Megatron-LM checkpoint (none there) from the ``args`` in its common state.
 
     Raises:
         FileNotFoundError: no checkpoint in ``ckpt_dir`` or no such iteration.
@@ -151,7 +155,7 @@ def read_meta(ckpt_dir: str, iteration: int | None = None) -> dict:
 # ---------------------------------------------------------------------------------- Megatron-LM arguments
 def megatron_lm_args(args: ModelArgs, *, tp: int, pp: int, iteration: int, params_dtype: torch.dtype,
                      consumed_train_samples: int = 0, tokenizer_model: str | None = None) -> argparse.Namespace:
-    """The ``args`` Namespace stored in ``common.pt``, with Megatron-LM's argument names and meanings.
+    """The ``args`` Namespace stored in the common state (``common.pt``), with Megatron-LM's argument names and meanings.
 
     Holds what Megatron-LM's ``load_args_from_checkpoint`` (``--use-checkpoint-args``) and
     ``check_checkpoint_args`` read: the architecture (``num_layers``, ``hidden_size``, ``ffn_hidden_size``,
@@ -185,7 +189,7 @@ def megatron_lm_args(args: ModelArgs, *, tp: int, pp: int, iteration: int, param
 
 
 def model_args_from_megatron_lm(a, *, eos_token_ids: list[int] | None = None) -> ModelArgs:
-    """:class:`ModelArgs` from a Megatron-LM ``args`` Namespace (``common.pt``).
+    """:class:`ModelArgs` from a Megatron-LM ``args`` Namespace (the common state).
 
     ``vocab_size`` is ``padded_vocab_size`` (the embedding's rows); the architecture is Qwen2 when q/k/v
     have biases, else Llama.
@@ -233,11 +237,11 @@ def _meta_from_megatron_lm(d: str) -> dict:
     try:
         common = dist_checkpointing.load_common_state_dict(d)
     except Exception as e:  # CheckpointingException, unpickling errors
-        raise ValueError(f"{d} has no {META} and its common.pt cannot be read ({e}); not a checkpoint of this "
-                         "project or of Megatron-LM") from None
+        raise ValueError(f"{d} has no {META} and its common state cannot be read ({e}); not a checkpoint of "
+                         "this project or of Megatron-LM") from None
     a = common.get("args") if isinstance(common, dict) else None
     if a is None:
-        raise ValueError(f"{d} has no {META} and its common.pt carries no 'args' (the model arguments "
+        raise ValueError(f"{d} has no {META} and its common state carries no 'args' (the model arguments "
                          "Megatron-LM saves): cannot tell the architecture")
     if not any(k == "model" for k in common) and any(re.fullmatch(r"model\d+", str(k)) for k in common):
         raise ValueError(f"{d} holds virtual-pipeline model chunks (model0, model1, ...): not supported")
@@ -319,7 +323,7 @@ def save_checkpoint(ckpt_dir: str, iteration: int, model, *, sharded_extra: dict
                     common: dict | None = None, tokenizer_dir: str | None = None, keep_last: int | None = None) -> str:
     """Save ``model`` (and optional sharded optimizer state) as iteration ``iteration`` of ``ckpt_dir``.
 
-    Collective: every rank calls it. The model's sharded keys carry no prefix and ``common.pt`` holds
+    Collective: every rank calls it. The model's sharded keys carry no prefix and the common state holds
     ``args`` / ``iteration`` / ``checkpoint_version`` (Megatron-LM's format, see the module docstring).
 
     Args:
