@@ -4,9 +4,9 @@ same gradients with ``--overlap-grad-reduce`` (bucket reduces dispatched during 
 ``--use-distributed-optimizer`` (reduce-scatter) each rank's shard holds the same average.
 
 Usage: torchrun --nproc_per_node 2 tests/dist/ddp_overlap.py
-Prints ``RESULT {"flags", "rank", "rel", "local_rel", "buckets", "overlap"}`` (JSON): ``rel`` = max relative
-difference of the averaged gradients from the reference, per tensor; ``local_rel`` the same for this rank's own
-(unreduced) gradient, so a missing reduction would show.
+Prints ``RESULT {"flags", "rank", "rel", "local_rel", "buckets", "overlap"}`` (JSON, for both ranks, from rank 0):
+``rel`` = max relative difference of the averaged gradients from the reference, per tensor; ``local_rel`` the
+same for this rank's own (unreduced) gradient, so a missing reduction would show.
 """
 import json
 import os
@@ -81,9 +81,13 @@ def main():
                       for n, p in model.named_parameters())
         buckets = sum(len(b.buckets) for b in ddp.buffers)
         local_rel = max(float((local[n] - ref[n]).abs().max() / ref[n].abs().max().clamp_min(1e-30)) for n in ref)
-        print("RESULT " + json.dumps({"flags": " ".join(flags), "rank": rank, "rel": rel, "buckets": buckets,
-                                      "local_rel": local_rel,
-                                      "overlap": ddp.ddp_config.overlap_grad_reduce}), flush=True)
+        rec = {"flags": " ".join(flags), "rank": rank, "rel": rel, "buckets": buckets, "local_rel": local_rel,
+               "overlap": ddp.ddp_config.overlap_grad_reduce}
+        recs = [None] * dist.get_world_size()
+        dist.all_gather_object(recs, rec)  # one writer: lines of two ranks could interleave
+        if rank == 0:
+            for r in recs:
+                print("RESULT " + json.dumps(r), flush=True)
     parallel.destroy()
 
 

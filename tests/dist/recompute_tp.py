@@ -1,8 +1,8 @@
 """Under torchrun x2 at TP=2: one training step with each activation-recomputation mode against none.
 
 Usage: torchrun --nproc_per_node 2 tests/dist/recompute_tp.py WORKDIR
-Prints ``RESULT {"config", "mode", "loss", "ref_loss", "grad_rel", "peak", "ref_peak"}`` (JSON) on each rank:
-``grad_rel`` is the largest relative difference of this rank's gradient shards from the run without
+Prints ``RESULT {"config", "mode", "rank", "loss", "ref_loss", "grad_rel", "peak", "ref_peak"}`` (JSON) for each
+rank, from rank 0: ``grad_rel`` is the largest relative difference of this rank's gradient shards from the run without
 recomputation (max |g - g_ref| / max |g_ref| per tensor); ``peak`` the peak saved activation bytes.
 """
 import json
@@ -35,9 +35,13 @@ def main():
             rel = max(float((g - ref[1][n]).abs().max() / ref[1][n].abs().max().clamp_min(1e-30))
                       for n, g in grads.items())
             assert grads.keys() == ref[1].keys()
-            print("RESULT " + json.dumps({"config": name, "mode": mode, "rank": dist.get_rank(), "loss": m["loss"],
-                                          "ref_loss": ref[0], "grad_rel": rel, "peak": peak, "ref_peak": ref[2]}),
-                  flush=True)
+            rec = {"config": name, "mode": mode, "rank": dist.get_rank(), "loss": m["loss"], "ref_loss": ref[0],
+                   "grad_rel": rel, "peak": peak, "ref_peak": ref[2]}
+            recs = [None] * dist.get_world_size()
+            dist.all_gather_object(recs, rec)  # one writer: lines of two ranks could interleave
+            if dist.get_rank() == 0:
+                for r in recs:
+                    print("RESULT " + json.dumps(r), flush=True)
     parallel.destroy()
 
 
