@@ -16,7 +16,9 @@ from megatron_jf.eval.code_exec import (
     run_programs,
 )
 from megatron_jf.eval.scoring import aggregate, score_many
+from tests.sandbox_marks import needs_os
 
+pytestmark = needs_os  # every test here but extraction executes generated code
 RUN_SLOW = bool(os.environ.get("JF_RUN_SLOW"))
 
 

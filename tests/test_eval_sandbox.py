@@ -17,13 +17,10 @@ import pytest
 from megatron_jf.eval import sandbox
 from megatron_jf.eval.benchmarks import Problem, load_benchmark
 from megatron_jf.eval.code_exec import run_program
-from megatron_jf.eval.sandbox import SandboxUnavailable, check_isolation, isolation_status
+from megatron_jf.eval.sandbox import SandboxUnavailable, check_isolation
 from megatron_jf.eval.scoring import aggregate, score, score_many
 from megatron_jf.eval.verdict import verify_humaneval, verify_mbpp
-
-WHY = isolation_status()
-needs_os = pytest.mark.skipif(WHY is not None and not os.environ.get("JF_REQUIRE_SANDBOX"),
-                              reason=f"OS isolation unavailable here: {WHY}")
+from tests.sandbox_marks import WHY, needs_os
 
 
 @pytest.fixture(scope="module")

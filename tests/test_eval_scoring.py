@@ -7,6 +7,7 @@ import pytest
 
 from megatron_jf.eval.benchmarks import Problem, load_benchmark
 from megatron_jf.eval.prompts import prompt_info
+from tests.sandbox_marks import needs_os
 from megatron_jf.eval.scoring import (
     ResultsWriter,
     Score,
@@ -45,6 +46,7 @@ def _wrong(p):
     return "Reasoning...\nSo the final answer is $\\boxed{-12345}$."
 
 
+@needs_os
 def test_score_dispatch_right_and_wrong(mixed):
     for p in mixed:
         good = score(p, _right(p))
@@ -59,6 +61,7 @@ def test_score_dispatch_right_and_wrong(mixed):
         score(mixed[4], 18)
 
 
+@needs_os
 def test_score_many_and_aggregate(mixed):
     comps = [_right(p) if i % 2 == 0 else _wrong(p) for i, p in enumerate(mixed)]
     comps[3] = 12345  # a bad completion type must not stop the batch
@@ -76,6 +79,7 @@ def test_score_many_and_aggregate(mixed):
         score_many(mixed[:2], ["x"])
 
 
+@needs_os
 def test_records_and_resume(tmp_path, mixed):
     path = str(tmp_path / "out" / "results.jsonl")
     probs = mixed[4:8]

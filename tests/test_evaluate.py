@@ -14,6 +14,8 @@ import shutil
 import pytest
 import torch
 
+from tests.sandbox_marks import needs_os
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -60,7 +62,7 @@ def _records(path):
     return [json.loads(line) for line in open(path)]
 
 
-@pytest.mark.parametrize("bench,task", [("humaneval", "HumanEval"), ("gsm8k", "GSM8K")])
+@pytest.mark.parametrize("bench,task", [pytest.param("humaneval", "HumanEval", marks=needs_os), ("gsm8k", "GSM8K")])
 def test_evaluate_table_lossless_and_resume(ckpt, tmp_path, bench, task):
     ev = _tool("evaluate")
     out = tmp_path / "out"
