@@ -277,3 +277,30 @@ def test_error_mid_stream_counted_as_500(srv):
     key = ("jf_requests_total", (("code", "500"), ("endpoint", "/v1/completions")))
     ok = ("jf_requests_total", (("code", "200"), ("endpoint", "/v1/completions")))
     assert m1[key] - m0.get(key, 0) == 1 and m1.get(ok, 0) == m0.get(ok, 0)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/api"])
+def test_non_streamed_disconnect_cancels(srv, path):
+    """A client that gives up on a non-streamed request (here: a read timeout) cancels it: its row leaves
+    the batch, it counts as 499 and its tokens are not generated tokens."""
+    s = srv
+    c = httpx.Client(base_url=s.url, timeout=60)
+    m0 = metric_samples(c.get("/metrics").text)
+    body = ({"prompt": "The quick", "max_tokens": 220, "temperature": 0, "jf": {"decoder": "ar"}}
+            if path != "/api" else {"prompts": ["The quick", "Hello"], "tokens_to_generate": 220, "temperature": 0,
+                                    "jf": {"decoder": "ar"}})
+    steps0 = s.sched.steps_run
+    with pytest.raises(httpx.ReadTimeout):
+        (httpx.put if path == "/api" else httpx.post)(s.url + path, json=body, timeout=0.08)
+    t0 = time.time()
+    while (s.sched._live or s.sched.queue_depth()) and time.time() - t0 < 20:
+        time.sleep(0.02)
+    assert not s.sched._live
+    assert s.sched.steps_run - steps0 < 200  # left long before its 220 tokens (one per AR step)
+    m1 = metric_samples(c.get("/metrics").text)
+    key = ("jf_requests_total", (("code", "499"), ("endpoint", path)))
+    gen = ("vllm:generation_tokens_total", (("model_name", "tiny"),))
+    assert m1[key] - m0.get(key, 0) == 1
+    assert m1[gen] == m0[gen]
+    r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

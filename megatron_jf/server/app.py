@@ -6,8 +6,9 @@ forward passes), ``tpf`` (tokens per forward), ``batch_size``, ``prefill_s``, ``
 Streaming (``"stream": true``) sends Server-Sent Events ``data: {json}\\n\\n``, one per committed group
 of tokens (text decoded incrementally, so multi-byte characters are never split; each chunk's
 ``jf.token_ids`` lists its tokens), then a final chunk with ``finish_reason``, an optional usage chunk
-(``stream_options.include_usage``), and ``data: [DONE]``. A client that disconnects mid-stream cancels
-its request: its row leaves the batch at the next engine step (see :mod:`megatron_jf.server.scheduler`).
+(``stream_options.include_usage``), and ``data: [DONE]``. A client that disconnects (mid-stream, or
+before a non-streamed answer) cancels its request: its row leaves the batch at the next engine step
+(see :mod:`megatron_jf.server.scheduler`); it is counted as status 499 and not as generated tokens.
 
 Errors: every status (400 invalid value, 404 unknown model or path, 405 method, 413 body too large,
 422 wrong type, 503 queue full / shutting down, 500) answers OpenAI's shape
@@ -42,6 +43,10 @@ _ETYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_r
            413: "invalid_request_error", 422: "invalid_request_error", 503: "server_busy"}
 
 log = logging.getLogger("megatron_jf.server")
+
+
+class ClientDisconnected(Exception):
+    """The client of a non-streamed request went away before its answer (counted as status 499)."""
 
 
 def _error(status: int, message: str, param: str | None = None, etype: str | None = None):
@@ -156,6 +161,31 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str = "megatron-j
             if kind == "error":
                 raise payload
 
+    async def _disconnected(request: Request) -> None:
+        """Returns when the client closes the connection (the body was read: the next message is the
+        disconnect)."""
+        while (await request.receive()).get("type") != "http.disconnect":
+            pass
+
+    async def _wait_all(request: Request, reqs: list[GenRequest]) -> list[RequestOutput]:
+        """The outputs of ``reqs``; if the client disconnects first (or anything fails), every request is
+        cancelled -- its row leaves the batch at the next engine step."""
+        watcher = asyncio.ensure_future(_disconnected(request))
+        outs = asyncio.ensure_future(asyncio.gather(*[_wait(r) for r in reqs]))
+        try:
+            done, _ = await asyncio.wait({watcher, outs}, return_when=asyncio.FIRST_COMPLETED)
+            if outs in done:
+                return outs.result()
+            metrics.request_cancelled()
+            raise ClientDisconnected("the client disconnected")
+        except BaseException:
+            for r in reqs:
+                r.cancel()
+            outs.cancel()
+            raise
+        finally:
+            watcher.cancel()
+
     def _handle_errors(endpoint):
         def deco(fn):
             async def wrapped(request: Request):
@@ -167,6 +197,8 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str = "megatron-j
                     resp = _error(503, str(e), None, "server_busy")
                 except SchedulerStoppedError as e:
                     resp = _error(503, str(e), None, "server_shutting_down")
+                except ClientDisconnected as e:
+                    resp = _error(499, str(e), None, "client_closed_request")
                 except Exception as e:  # noqa: BLE001
                     log.exception("request failed")
                     resp = _error(500, f"{type(e).__name__}: {e}", None, "server_error")
@@ -200,9 +232,14 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str = "megatron-j
                                                                      default_config))
         loop = asyncio.get_running_loop()
         reqs = []
-        for i in range(len(p.prompts)):
-            reqs.append(_submit(p, i, loop, seed_offset=i))
-        outs = await asyncio.gather(*[_wait(r) for r in reqs])
+        try:
+            for i in range(len(p.prompts)):
+                reqs.append(_submit(p, i, loop, seed_offset=i))
+        except Exception:  # e.g. the queue filled up after some prompts: drop those too
+            for r in reqs:
+                r.cancel()
+            raise
+        outs = await _wait_all(request, reqs)
         if not p.no_log:
             log.info("/api %d prompts, %d tokens", len(reqs), sum(len(o.tokens) for o in outs))
         return JSONResponse(await run_in_threadpool(_api_answer, p, outs))
@@ -218,7 +255,7 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str = "megatron-j
         obj = "chat.completion" if chat else "text_completion"
         plen = len(p.prompts[0])
         if not p.stream:
-            out = await _wait(req)
+            (out,) = await _wait_all(request, [req])
             text = await run_in_threadpool(_text, p.prompts[0], out)
             choice = {"index": 0, "finish_reason": _finish(out.finish_reason), "logprobs": None}
             if chat:
