@@ -4,9 +4,12 @@
     python bench/decode.py                      # a built-in tiny peaked model (CPU, a few seconds)
     python bench/decode.py --load CKPT --prompts prompts.jsonl --block-size 16
 
-Also reports, per decoder, the share of decode wall time spent outside the model forward (engine
-overhead; target <= 10%) and the cost of one MR forward with verification size v relative to one
-plain Jacobi forward at the same n (target <= 1.5x for v=4).
+Also reports, per decoder, the engine's own Python time per iteration (decode time outside the model forward,
+ms, and its share of decode time; target <= 5%), every speedup against the faster of this project's AR and
+``transformers`` greedy on the same weights in the same run (named in the output; ``--no-hf`` skips it), and
+the cost of one cached forward at equal full width (after 160 tokens): AR, Jacobi ``1+n`` and MR with
+verification size v as the engine runs it at batch 1 (main chain, then only candidates whose first token is the
+greedy prediction: none live / one live) and as one full-tree forward (target <= 1.5x Jacobi at v=4).
 """
 
 from __future__ import annotations
@@ -173,7 +176,7 @@ def main(argv=None):
     if not a.no_hf:
         import torch
 
-        from decode_vs_hf import hf_twin
+        from megatron_jf.eval.hf_baseline import hf_twin
 
         hf = hf_twin(model)
     rows, ref = [], None

@@ -53,22 +53,10 @@ def _megatron_from_hf(hf):
 
 
 def hf_twin(model):
-    """A ``transformers`` model (fp32, eval) holding the same weights as the TP=1 megatron ``model``."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """A ``transformers`` model with the TP=1 megatron ``model``'s weights (:func:`megatron_jf.eval.hf_baseline.hf_twin`)."""
+    from megatron_jf.eval.hf_baseline import hf_twin as twin
 
-    from megatron_jf.models.convert import mcore_to_hf
-    from megatron_jf.models.gpt import unwrap
-
-    m = unwrap(model)
-    args = m.model_args
-    d = args.to_hf_dict()
-    cfg = AutoConfig.for_model(d.pop("model_type"), **d)
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    hf.load_state_dict(mcore_to_hf([[m.state_dict()]], args), strict=not args.tie_word_embeddings)
-    if args.tie_word_embeddings:
-        hf.tie_weights()
-    return hf
+    return twin(model)
 
 
 def load_smollm2(hf_dir: str, num_prompts: int):
