@@ -52,7 +52,7 @@ FORMAT = "megatron-jf/1"
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version (query/key/value ordering of mcore models)
 MODEL_KEY_PREFIX = ""  # sharded-key prefix of the model in new checkpoints (Megatron-LM's)
 OLD_MODEL_KEY_PREFIX = "model."  # this project's checkpoints before Megatron-LM interop
-_STALE = re.compile(r"^(iter_\d{7}|release|tokenizer)\.tmp$")
+_STALE = re.compile(r"^(iter_\d{7}|release|tokenizer)(\.replaced)?\.tmp$")
 
 
 def iter_dir(ckpt_dir: str, iteration: int) -> str:
@@ -381,9 +381,11 @@ def save_checkpoint(ckpt_dir: str, iteration: int, model, *, sharded_extra: dict
         }
         with open(os.path.join(tmp, META), "w") as f:
             json.dump(meta, f, indent=1)
+        old = final + ".replaced.tmp"  # re-saving an iteration: swap by renames, delete the old copy after
         if os.path.isdir(final):
-            shutil.rmtree(final)
+            os.replace(final, old)
         os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
         atomic_write_text(os.path.join(ckpt_dir, LATEST), str(iteration))
         if keep_last:
             its = sorted(int(d[5:]) for d in os.listdir(ckpt_dir)

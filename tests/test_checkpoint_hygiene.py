@@ -113,3 +113,28 @@ def test_kill_during_save_leaves_no_process_and_stale_tmp_is_cleaned(tmp_path, m
     names = os.listdir(ck)
     assert not [n for n in names if n.endswith(".tmp")], names
     assert C.iter_dir(ck, done).rsplit("/", 1)[1] in names and C.latest_iteration(ck) == done + 100
+
+
+def test_resaving_an_iteration_replaces_it_by_renames(tmp_path, mp1):
+    """Saving an iteration that exists swaps the directories by renames (the old copy is deleted after the new
+    one is in place) and leaves no .tmp behind; the loaded weights are the new ones."""
+    import torch
+
+    from megatron_jf import checkpointing as C
+    from megatron_jf.models.gpt import build_model
+    from megatron_jf.models.hf_config import ModelArgs
+
+    args = ModelArgs(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=48,
+                     num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4,
+                     max_position_embeddings=64, tie_word_embeddings=True, qkv_bias=False)
+    ck = str(tmp_path / "ck")
+    a, b = build_model(args, params_dtype=torch.float32), build_model(args, params_dtype=torch.float32)
+    with torch.no_grad():
+        for p in b.parameters():
+            p.add_(1.0)
+    C.save_checkpoint(ck, 3, a)
+    C.save_checkpoint(ck, 3, b)
+    assert sorted(os.listdir(ck)) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
+    m, _, _ = C.load_model(ck, params_dtype=torch.float32)
+    w = "embedding.word_embeddings.weight"
+    assert torch.equal(m.state_dict()[w], b.state_dict()[w]) and not torch.equal(m.state_dict()[w], a.state_dict()[w])
