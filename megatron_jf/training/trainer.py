@@ -177,6 +177,8 @@ class Trainer:
         self.resume_iteration = None
         if cfg.save and os.path.isdir(cfg.save):
             self.resume_iteration = checkpointing.latest_iteration(cfg.save)
+            if parallel.is_rank0():  # iter_*.tmp left by a run killed mid-save (never a complete checkpoint)
+                checkpointing.remove_stale_tmp(cfg.save)
         self.model_args = self._model_args(checkpointing)
         self._check_recompute()
         model = model_provider(self.model_args, cfg)
