@@ -245,12 +245,13 @@ def _meta_from_megatron_lm(d: str) -> dict:
                          "Megatron-LM saves): cannot tell the architecture")
     if not any(k == "model" for k in common) and any(re.fullmatch(r"model\d+", str(k)) for k in common):
         raise ValueError(f"{d} holds virtual-pipeline model chunks (model0, model1, ...): not supported")
-    eos = []
-    tok = os.path.join(os.path.dirname(d), "tokenizer")
-    if os.path.isdir(tok):
-        from megatron_jf.hf_io import tokenizer_eos_ids
+    eos = []  # stop tokens from the tokenizer: CKPT/tokenizer, else the HF tokenizer folder args.tokenizer_model
+    for tok in (os.path.join(os.path.dirname(d), "tokenizer"), getattr(a, "tokenizer_model", None)):
+        if isinstance(tok, str) and os.path.isdir(tok):
+            from megatron_jf.hf_io import tokenizer_eos_ids
 
-        eos = tokenizer_eos_ids(tok)
+            eos = tokenizer_eos_ids(tok)
+            break
     it = common.get("iteration", 0)
     return {
         "format": "megatron-lm", "iteration": int(it) if it is not None else 0,

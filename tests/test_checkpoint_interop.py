@@ -148,6 +148,23 @@ def test_load_megatron_lm_release_checkpoint(tmp_path, mp1, tied):
     assert set(ours) == set(theirs)
     for k in ours:
         assert torch.equal(ours[k], theirs[k]), k
+    assert margs.eos_token_ids == []  # no tokenizer named: no stop tokens invented
+
+
+def test_megatron_lm_stop_tokens_come_from_its_tokenizer_model(tmp_path, mp1):
+    """Megatron-LM names its HF tokenizer folder in args.tokenizer_model; its EOS becomes the stop token."""
+    from megatron_jf import checkpointing as C
+    from transformers import AutoTokenizer
+
+    from megatron_jf.quickstart.tokenizer_train import train_bpe_tokenizer
+
+    tok = train_bpe_tokenizer(tmp_path / "tok", texts=["def f(x):\n    return x + 1\n"] * 20, vocab_size=300,
+                              overwrite=True)
+    eos = AutoTokenizer.from_pretrained(str(tok)).eos_token_id
+    assert eos is not None
+    _save_megatron_lm_release(str(tmp_path / "mlm"), _megatron_lm_args(tokenizer_model=str(tok),
+                                                                       tokenizer_type="HuggingFaceTokenizer"))
+    assert C.read_meta(str(tmp_path / "mlm"))["model_args"]["eos_token_ids"] == [eos]
 
 
 def test_megatron_lm_checkpoint_converts_to_hf(tmp_path):
