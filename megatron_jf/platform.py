@@ -5,6 +5,22 @@ call sites allocate on ``cuda`` unconditionally. :func:`apply_cpu_shims` patches
 and only when CUDA is absent, so the GPU path runs the library unmodified. Each patch says why
 it exists. Measured notes: ``shared/research/mcore_cpu.md`` (probe of 0.16.1 on torch 2.13 CPU).
 
+megatron-core versions: 0.16.1 (the last release for Python 3.11) through 0.19.x (Python 3.12) are tested in CI
+(README "Tests and CI"). Every shim below applies unchanged to both ends: each patched name
+(``torch.cuda.current_device``, ``transformer.utils.get_default_causal_mask``, the ``torch`` global of
+``pipeline_parallel.schedules``, ``transformer.torch_norm.WrappedTorchNorm``,
+``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``) exists with the same meaning in
+0.16.1 and 0.19.2. What differs between them and is handled here:
+
+* 0.17+ warns at import that ``absl`` is not installed (``hyper_comm_grid``) and falls back to ``logging``:
+  filtered below with the TE/Apex fallback warnings, since that fallback is what we want.
+* 0.17+ gives some layer-spec submodules as ``functools.partial(MLP.as_mlp_submodule, ...)`` instead of a
+  ``ModuleSpec``; only the TE-spec fixture generator walks specs (``tests/fixtures/make_te_spec_keys.py``).
+* 0.19 leaves a layer's absent submodules (``q_layernorm`` / ``k_layernorm`` without QK norm) as ``None`` where
+  0.16 built ``IdentityOp``: code that asks whether such a submodule is absent uses :func:`is_absent_submodule`.
+* 0.19 logs "GPTModel IS DEPRECATED" (in favour of ``HybridModel``) once per model built; GPTModel is still
+  the supported model class there. A release that removes it needs ``megatron_jf/models/gpt.py`` ported.
+
 Switches (all automatic, overridable by environment variables for experiments):
 
 * ``HAVE_CUDA``: ``torch.cuda.is_available()``.
@@ -22,9 +38,10 @@ import warnings
 
 import torch
 
-# megatron-core warns at import that it falls back to torch implementations without TE/Apex; on CPU
-# that is the intended configuration, so keep the logs readable.
-warnings.filterwarnings("ignore", message=".*(Transformer Engine and Apex|Apex is not installed).*")
+# megatron-core warns at import that it falls back to torch implementations without TE/Apex (and, from 0.17,
+# to ``logging`` without absl); on CPU that is the intended configuration, so keep the logs readable.
+warnings.filterwarnings("ignore", message=".*(Transformer Engine and Apex|Apex is not installed|"
+                        "absl.logging is not installed).*")
 
 HAVE_CUDA: bool = torch.cuda.is_available()
 
@@ -42,6 +59,16 @@ def _have_te() -> bool:
 
 
 HAVE_TE: bool = _have_te()
+
+
+def is_absent_submodule(module) -> bool:
+    """True when a megatron layer submodule does nothing: ``IdentityOp`` (megatron-core 0.16) or ``None`` (0.19
+    builds absent submodules such as ``q_layernorm`` without QK norm as ``None``)."""
+    if module is None:
+        return True
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    return isinstance(module, IdentityOp)
 
 _SHIMS_APPLIED = False
 

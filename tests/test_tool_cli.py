@@ -84,7 +84,7 @@ def test_pretrain(hf_dir, message, tmp_path):
                            str(tmp_path / "d"), "--train-steps", "1", "--block-size", "4", "--save",
                            str(tmp_path / "s")], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
     assert proc.returncode == 1, proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == f"pretrain_jf.py: error: {message}"
+    assert f"pretrain_jf.py: error: {message}" in proc.stderr.splitlines()  # torch may log other lines
 
 
 def test_megatron_checkpoint_is_not_called_hf(tmp_path, hf_dir):

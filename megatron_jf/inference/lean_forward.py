@@ -55,6 +55,8 @@ def supports(model) -> bool:
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.identity_op import IdentityOp
 
+    from megatron_jf.platform import is_absent_submodule
+
     cfg = model.config
     if not (model.pre_process and model.post_process):
         return False
@@ -72,7 +74,7 @@ def supports(model) -> bool:
             return False
         if not (isinstance(layer.mlp.linear_fc1, ColumnParallelLinear) and isinstance(layer.mlp.linear_fc2, RowParallelLinear)):
             return False
-        if not (isinstance(att.q_layernorm, IdentityOp) and isinstance(att.k_layernorm, IdentityOp)):
+        if not (is_absent_submodule(att.q_layernorm) and is_absent_submodule(att.k_layernorm)):
             return False
         if not isinstance(layer.cross_attention, IdentityOp):
             return False
