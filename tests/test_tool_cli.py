@@ -66,6 +66,11 @@ def test_search_inference_config(hf_dir, message, tmp_path, capsys):
     assert capsys.readouterr().err.strip() == f"search_inference_config: error: {message}"
 
 
+def test_visualize_trajectory(hf_dir, message, tmp_path, capsys):
+    assert _tool("visualize_trajectory").main(["--load", hf_dir, "--prompt", "x", "--out", str(tmp_path / "v")]) == 2
+    assert capsys.readouterr().err.strip() == f"visualize_trajectory: error: {message}"
+
+
 def test_server(hf_dir, message, capsys):
     assert _tool("run_text_generation_server").main(["--load", hf_dir]) == 2
     assert capsys.readouterr().err.strip().endswith(f"error: {message}")

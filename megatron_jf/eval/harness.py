@@ -164,6 +164,9 @@ def load_for_inference(ckpt_dir: str, *, tokenizer: Optional[str] = None, tp: in
     from megatron_jf.inference.engine import Engine
     from megatron_jf.tokenizer import load_tokenizer, stop_token_ids
 
+    from megatron_jf.load_errors import reject_hf_dir
+
+    reject_hf_dir(ckpt_dir)  # the one message for a Hugging Face folder (every tool)
     ckpt_dir = os.path.abspath(ckpt_dir)
     if not os.path.isdir(ckpt_dir):
         raise CheckpointNotFound(f"checkpoint directory does not exist: {ckpt_dir}")
