@@ -83,6 +83,13 @@ class Preset:
     real: bool = False
     # checkpoints the report evaluates (base, JF round 1, JF round 2)
     report_models: tuple = ("base", "jf1", "jf2")
+    # training prompts: "corpus" (code cut at def/class lines of the stdlib train split) or "functions"
+    # (HumanEval-shaped function stubs from the stdlib and site-packages, decontaminated against HumanEval and
+    # MBPP: megatron_jf/quickstart/code_prompts.py)
+    prompt_source: str = "corpus"
+    max_prompt_tokens: int = 0  # "functions": drop prompts longer than this (0: no limit)
+    jf_saves: int = 4  # checkpoints per JF round, evenly spaced (the learning curve's points)
+    learning_curve: bool = False  # report: Jacobi TPF and pass@1 at every saved checkpoint
 
 
 PRESETS = {
@@ -232,13 +239,13 @@ class Pipeline:
 
     def stage_prompts(self) -> dict:
         """Training prompts from train files; evaluation prompts from held-out files (model A) or HumanEval (model B)."""
-        import numpy as np
-
-        from megatron_jf.quickstart.corpus import list_corpus_files, make_prompt_sets, split_files
+        from megatron_jf.quickstart.corpus import list_corpus_files, make_prompt_sets
         from megatron_jf.tokenizer import load_tokenizer
 
         tok = load_tokenizer(self._tokenizer_dir())
         files = list_corpus_files()
+        if self.p.prompt_source == "functions":
+            return self._function_prompts(tok, files)
         train, evals = make_prompt_sets(files, self.p.n_train_prompts, self.p.n_eval_prompts, tokenizer=tok,
                                         n_tokens=self.p.prompt_tokens, max_per_file=6, seed=0)
         assert not {p.rel for p in train} & {p.rel for p in evals}, "train and eval prompts share files"
@@ -250,23 +257,54 @@ class Pipeline:
                 ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": msg}]))
             train_rows.append({"id": f"{p.rel}:{p.line}", "prompt_ids": ids})
         if self.p.real:  # held-out NLL tokens with this tokenizer, and HumanEval as the evaluation prompts
-            from megatron_jf.eval.benchmarks import load_benchmark
-            from megatron_jf.eval.prompts import build_messages
-
-            _, held = split_files(files)
-            toks = []
-            for f in held:
-                toks.extend(tok.encode(Path(f.path).read_text(encoding="utf-8", errors="replace")))
-            np.save(self.path("tokens_heldout.npy"), np.asarray(toks, dtype=np.int32))
-            eval_rows = [{"id": pr.task_id, "task_id": pr.task_id,
-                          "prompt_ids": tok.encode(tok.apply_chat_template(build_messages(pr)))}
-                         for pr in load_benchmark("humaneval", limit=self.p.n_eval_prompts)]
+            eval_rows = self._humaneval_rows(tok, files)
         else:
             eval_rows = [{"id": f"{p.rel}:{p.line}", "prompt_ids": list(p.token_ids)} for p in evals]
         for name, rows in (("prompts_train.jsonl", train_rows), ("prompts_eval.jsonl", eval_rows)):
             atomic_write_text(self.path(name), "".join(json.dumps(r) + "\n" for r in rows))
         self.log(f"[prompts] {len(train_rows)} train prompts, {len(eval_rows)} evaluation prompts")
         return {"train": len(train_rows), "eval": len(eval_rows)}
+
+    def _humaneval_rows(self, tok, files) -> list[dict]:
+        """Held-out NLL tokens (stdlib held-out files, this tokenizer) and the first HumanEval problems as rows."""
+        import numpy as np
+
+        from megatron_jf.eval.benchmarks import load_benchmark
+        from megatron_jf.eval.prompts import build_messages
+        from megatron_jf.quickstart.corpus import split_files
+
+        _, held = split_files(files)
+        toks = []
+        for f in held:
+            toks.extend(tok.encode(Path(f.path).read_text(encoding="utf-8", errors="replace")))
+        np.save(self.path("tokens_heldout.npy"), np.asarray(toks, dtype=np.int32))
+        return [{"id": pr.task_id, "task_id": pr.task_id,
+                 "prompt_ids": tok.encode(tok.apply_chat_template(build_messages(pr)))}
+                for pr in load_benchmark("humaneval", limit=self.p.n_eval_prompts)]
+
+    def _function_prompts(self, tok, files) -> dict:
+        """Training prompts from function stubs (:mod:`megatron_jf.quickstart.code_prompts`) in the evaluation's
+        HumanEval request format; HumanEval problems as evaluation prompts."""
+        from megatron_jf.quickstart.code_prompts import make_code_prompts, stub_messages
+
+        if not self.p.real:
+            raise ValueError("prompt_source='functions' needs an instruct model with a chat template (--real)")
+        stats: dict = {}
+        stubs = make_code_prompts(10 ** 9, seed=0, stats=stats)  # every clean stub, shuffled
+        train_rows = []
+        for s in stubs:
+            if len(train_rows) >= self.p.n_train_prompts:
+                break
+            ids = tok.encode(tok.apply_chat_template(stub_messages(s)))
+            if self.p.max_prompt_tokens and len(ids) > self.p.max_prompt_tokens:
+                continue
+            train_rows.append({"id": f"{s.source}:{s.line}", "prompt_ids": ids})
+        eval_rows = self._humaneval_rows(tok, files)
+        for name, rows in (("prompts_train.jsonl", train_rows), ("prompts_eval.jsonl", eval_rows)):
+            atomic_write_text(self.path(name), "".join(json.dumps(r) + "\n" for r in rows))
+        self.log(f"[prompts] {len(train_rows)} train prompts (of {stats['clean']} clean function stubs: {stats}), "
+                 f"{len(eval_rows)} evaluation prompts")
+        return {"train": len(train_rows), "eval": len(eval_rows), "stubs": stats}
 
     def stage_traj(self, stage: str, model: str, n: int) -> dict:
         """Jacobi trajectories of ``model`` at block size ``n`` on the training prompts."""
@@ -293,7 +331,7 @@ class Pipeline:
                   "--block-size", n, "--window-size", w, "--micro-batch-size", p.jf_mbs, "--train-steps", steps,
                   "--lr", p.jf_lr, "--min-lr", p.jf_lr / 10, "--warmup-steps", max(1, steps // 20),
                   "--ar-weight", p.jf_ar_weight, "--save", self.path(stage),
-                  "--save-interval", max(5, steps // 4), "--log-interval", max(1, steps // 20),
+                  "--save-interval", max(5, steps // p.jf_saves), "--log-interval", max(1, steps // 20),
                   "--threads", p.threads, "--log-file", self.path(f"{stage}_log.jsonl")], stage)
         return {"block_size": n, "window_size": w, "steps": steps}
 

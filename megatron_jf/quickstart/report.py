@@ -136,8 +136,19 @@ def build_report(pipe) -> dict:
     summary = {"preset": p.name, "rows": rows, "tpf_by_block_size": curves, "eval_prompts": len(prompts),
                "timing_prompts": min(p.timing_prompts, len(prompts)), "response_tokens": R,
                "warnings": {m: w for m, w in warnings.items() if w}}
+    extra_md = ""
+    if getattr(p, "learning_curve", False):  # TPF and pass@1 at every saved checkpoint (learning_curve.py)
+        from megatron_jf.quickstart.learning_curve import curve_markdown, evaluate_curve, plot_curve
+
+        summary["learning_curve"] = evaluate_curve(pipe, prompt_rows, eos)
+        plot_curve(out_dir, summary["learning_curve"], p.n2)
+        extra_md += curve_markdown(summary["learning_curve"], p.n2, len(prompts))
+    from megatron_jf.quickstart.costs import costs_markdown, stage_costs  # seconds and samples/s per stage
+
+    summary["stage_costs"] = stage_costs(pipe)
+    extra_md += costs_markdown(summary["stage_costs"])
     atomic_write_json(out_dir / "report.json", summary)
-    md = _markdown(summary)
+    md = _markdown(summary) + extra_md
     atomic_write_text(out_dir / "report.md", md)
     _plots(out_dir, curves)
     # the Figure-4 picture on a typical prompt: the final model's Jacobi TPF there is closest to its mean

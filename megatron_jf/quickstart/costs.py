@@ -1,0 +1,59 @@
+"""Where a quickstart run's time went: seconds per stage and samples per second of collection and training.
+
+Read from the stages' ``<stage>.done`` markers (each records its wall ``seconds``): trajectory stages count the
+prompts decoded (records kept + filtered, from the collection manifest), training stages ``steps x micro-batch``
+samples. Rates are end to end per stage (model load and checkpoint saves included), on whatever else the machine
+was running at the time.
+"""
+
+from __future__ import annotations
+
+import json
+
+__all__ = ["stage_costs", "costs_markdown"]
+
+
+def _decoded(info: dict) -> int | None:
+    man = info.get("manifest") or {}
+    counts = man.get("counts") or {}
+    kept = counts.get("records", man.get("records"))
+    if kept is None:
+        return None
+    filtered = counts.get("filtered") or man.get("filtered") or {}
+    extra = sum(filtered.values()) if isinstance(filtered, dict) else int(filtered or 0)
+    return int(kept) + extra
+
+
+def stage_costs(pipe) -> list[dict]:
+    """``[{"stage", "seconds", "samples", "samples_per_s"}]`` for every finished stage except ``report``
+    (``samples`` is None for stages without a sample count)."""
+    from megatron_jf.quickstart.pipeline import STAGES
+
+    out = []
+    for st in STAGES:
+        f = pipe.path(f"{st}.done")
+        if st == "report" or not f.is_file():
+            continue
+        info = json.loads(f.read_text())
+        secs = float(info.get("seconds", 0.0))
+        samples = None
+        if st.startswith("traj"):
+            samples = _decoded(info)
+        elif st.startswith("jf") and "steps" in info:
+            samples = int(info["steps"]) * pipe.p.jf_mbs
+        out.append({"stage": st, "seconds": secs, "samples": samples,
+                    "samples_per_s": samples / secs if samples and secs > 0 else None})
+    return out
+
+
+def costs_markdown(costs: list[dict], report_seconds: float | None = None) -> str:
+    """The report's "where the time went" table."""
+    lines = ["", "Where the time went (wall seconds per stage; samples/s end to end, loads and saves included):", "",
+             "| Stage | seconds | samples | samples/s |", "|---|---|---|---|"]
+    for c in costs:
+        rate = "-" if c["samples_per_s"] is None else f"{c['samples_per_s']:.3f}"
+        lines.append(f"| {c['stage']} | {c['seconds']:.0f} | {c['samples'] if c['samples'] is not None else '-'} "
+                     f"| {rate} |")
+    if report_seconds is not None:
+        lines.append(f"| report | {report_seconds:.0f} | - | - |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,101 @@
+"""The quickstart's learning curve (every saved JF checkpoint evaluated) and its per-stage cost table."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from megatron_jf.fileio import atomic_write_json
+from megatron_jf.quickstart.pipeline import PRESETS
+
+
+class _Pipe:
+    """What the report's helpers use of a Pipeline: the preset, paths in the work directory, a log."""
+
+    def __init__(self, out: Path, preset):
+        self.out, self.p, self.logged = out, preset, []
+
+    def path(self, *parts):
+        return self.out.joinpath(*parts)
+
+    def log(self, msg):
+        self.logged.append(msg)
+
+
+def _args():
+    from megatron_jf.models.hf_config import ModelArgs
+
+    return ModelArgs(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=48,
+                     num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4,
+                     max_position_embeddings=128, tie_word_embeddings=True, qkv_bias=False)
+
+
+def _model():
+    from megatron_jf.models.gpt import build_model
+
+    m = build_model(_args(), params_dtype=torch.float32)
+    with torch.no_grad():  # large random weights: different models give different greedy outputs
+        for q in m.parameters():
+            q.add_(torch.randn_like(q) * 0.5)
+    return m
+
+
+def test_learning_curve_evaluates_every_saved_iteration(tmp_path, mp1):
+    from megatron_jf import checkpointing as C
+    from megatron_jf.inference.engine import DecodeConfig, Engine
+    from megatron_jf.quickstart.learning_curve import curve_markdown, curve_points, evaluate_curve, plot_curve
+
+    pre = replace(PRESETS["smoke"], jf1_steps=4, jf2_steps=6, jf_mbs=3, n2=8, response_tokens=10)
+    pipe = _Pipe(tmp_path, pre)
+    torch.manual_seed(0)
+    for ck, its in (("base", (1,)), ("jf1", (2, 4)), ("jf2", (3, 6))):
+        for it in its:
+            C.save_checkpoint(str(tmp_path / ck), it, _model())  # fresh random weights: every point differs
+    rows = [{"id": str(i), "prompt_ids": [1 + i, 5, 9, 2 + i]} for i in range(3)]
+    pts = curve_points(pipe)
+    assert [(p["ckpt"], p["iteration"], p["samples"]) for p in pts] == [
+        ("base", None, 0), ("jf1", 2, 6), ("jf1", 4, 12), ("jf2", 3, 12 + 9), ("jf2", 6, 12 + 18)]
+    got = evaluate_curve(pipe, rows, eos=set())
+    assert len(got) == 5 and all(g["pass@1"] is None for g in got)
+    # each point is that iteration's model: its greedy output and Jacobi TPF, computed here independently
+    for g in got:
+        model, _, _ = C.load_model(str(tmp_path / g["ckpt"]), iteration=g["iteration"])
+        eng = Engine(model)
+        ar = eng.generate([r["prompt_ids"] for r in rows], DecodeConfig("ar"), max_new_tokens=10)
+        jac = eng.generate([r["prompt_ids"] for r in rows], DecodeConfig("jacobi", block_size=8), max_new_tokens=10)
+        cache = json.loads((tmp_path / "report" / f"curve_{g['ckpt']}_{g['iteration'] or 'latest'}.json").read_text())
+        assert cache["outputs"] == [r.tokens for r in ar]
+        assert g["tpf"] == sum(len(r.tokens) for r in jac) / sum(r.forwards for r in jac)
+    outs = [json.loads(f.read_text())["outputs"] for f in sorted((tmp_path / "report").glob("curve_jf1_*.json"))]
+    assert outs[0] != outs[1]  # iteration 2 and 4 are different models
+    # cached: nothing is evaluated again; a re-saved checkpoint is
+    n_logged = len(pipe.logged)
+    assert evaluate_curve(pipe, rows, eos=set()) == got and len(pipe.logged) == n_logged
+    C.save_checkpoint(str(tmp_path / "jf2"), 3, _model())
+    evaluate_curve(pipe, rows, eos=set())
+    assert len(pipe.logged) == n_logged + 1 and "jf2 step 3" in pipe.logged[-1]
+    md = curve_markdown(got, 8, 3)
+    assert "| jf1 step 4 | 12 | " in md and md.count("\n| ") == 1 + 5  # header + 5 points
+    png = plot_curve(tmp_path / "report", got, 8)
+    assert png is None or png.stat().st_size > 1000
+
+
+def test_stage_costs_from_done_markers(tmp_path):
+    from megatron_jf.quickstart.costs import costs_markdown, stage_costs
+
+    pipe = _Pipe(tmp_path, replace(PRESETS["smoke"], jf_mbs=2))
+    atomic_write_json(tmp_path / "prompts.done", {"train": 5, "seconds": 3.0})
+    atomic_write_json(tmp_path / "traj1.done", {"manifest": {"counts": {"records": 30}, "filtered": {"loop": 10}},
+                                               "seconds": 80.0})
+    atomic_write_json(tmp_path / "jf1.done", {"steps": 50, "block_size": 16, "window_size": 16, "seconds": 25.0})
+    atomic_write_json(tmp_path / "report.done", {"seconds": 99.0})
+    costs = stage_costs(pipe)
+    assert costs == [{"stage": "prompts", "seconds": 3.0, "samples": None, "samples_per_s": None},
+                     {"stage": "traj1", "seconds": 80.0, "samples": 40, "samples_per_s": 0.5},
+                     {"stage": "jf1", "seconds": 25.0, "samples": 100, "samples_per_s": 4.0}]
+    md = costs_markdown(costs)
+    assert "| traj1 | 80 | 40 | 0.500 |" in md and "| jf1 | 25 | 100 | 4.000 |" in md
