@@ -49,24 +49,28 @@ def test_learning_curve_evaluates_every_saved_iteration(tmp_path, mp1):
     from megatron_jf.inference.engine import DecodeConfig, Engine
     from megatron_jf.quickstart.learning_curve import curve_markdown, curve_points, evaluate_curve, plot_curve
 
-    pre = replace(PRESETS["smoke"], jf1_steps=4, jf2_steps=6, jf_mbs=3, n2=8, response_tokens=10)
+    pre = replace(PRESETS["smoke"], jf1_steps=4, jf2_steps=6, jf_mbs=3, n2=8, response_tokens=10,
+                  curve_tpf_prompts=2)
     pipe = _Pipe(tmp_path, pre)
     torch.manual_seed(0)
     for ck, its in (("base", (1,)), ("jf1", (2, 4)), ("jf2", (3, 6))):
         for it in its:
             C.save_checkpoint(str(tmp_path / ck), it, _model())  # fresh random weights: every point differs
     rows = [{"id": str(i), "prompt_ids": [1 + i, 5, 9, 2 + i]} for i in range(3)]
+    # the pass@1 set (the prompts stage writes it) replaces the report's prompts; TPF on its first 2
+    (tmp_path / "prompts_pass.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     pts = curve_points(pipe)
     assert [(p["ckpt"], p["iteration"], p["samples"]) for p in pts] == [
         ("base", None, 0), ("jf1", 2, 6), ("jf1", 4, 12), ("jf2", 3, 12 + 9), ("jf2", 6, 12 + 18)]
-    got = evaluate_curve(pipe, rows, eos=set())
+    got = evaluate_curve(pipe, rows[:1], eos=set())
     assert len(got) == 5 and all(g["pass@1"] is None for g in got)
     # each point is that iteration's model: its greedy output and Jacobi TPF, computed here independently
     for g in got:
         model, _, _ = C.load_model(str(tmp_path / g["ckpt"]), iteration=g["iteration"])
         eng = Engine(model)
         ar = eng.generate([r["prompt_ids"] for r in rows], DecodeConfig("ar"), max_new_tokens=10)
-        jac = eng.generate([r["prompt_ids"] for r in rows], DecodeConfig("jacobi", block_size=8), max_new_tokens=10)
+        jac = eng.generate([r["prompt_ids"] for r in rows[:2]], DecodeConfig("jacobi", block_size=8),
+                           max_new_tokens=10)
         cache = json.loads((tmp_path / "report" / f"curve_{g['ckpt']}_{g['iteration'] or 'latest'}.json").read_text())
         assert cache["outputs"] == [r.tokens for r in ar]
         assert g["tpf"] == sum(len(r.tokens) for r in jac) / sum(r.forwards for r in jac)
@@ -78,8 +82,8 @@ def test_learning_curve_evaluates_every_saved_iteration(tmp_path, mp1):
     C.save_checkpoint(str(tmp_path / "jf2"), 3, _model())
     evaluate_curve(pipe, rows, eos=set())
     assert len(pipe.logged) == n_logged + 1 and "jf2 step 3" in pipe.logged[-1]
-    md = curve_markdown(got, 8, 3)
-    assert "| jf1 step 4 | 12 | " in md and md.count("\n| ") == 1 + 5  # header + 5 points
+    md = curve_markdown(got, 8)
+    assert "on the first 2 and greedy pass@1 on 3 evaluation" in md and "| jf1 step 4 | 12 | " in md and md.count("\n| ") == 1 + 5  # header + 5 points
     png = plot_curve(tmp_path / "report", got, 8)
     assert png is None or png.stat().st_size > 1000
 

@@ -2,9 +2,12 @@
 
 The Jacobi Forcing rounds save checkpoints at evenly spaced steps (``pretrain_jf.py --save-interval``, kept:
 no ``--keep-last``); every saved iteration of every round is one point, plus the base model at 0 samples.
-A point is the greedy AR output and the vanilla Jacobi output at block size ``n = preset.n2`` on the report's
-evaluation prompts (batched); the Jacobi output is asserted equal to AR (lossless), TPF is tokens emitted /
-forwards over all prompts, pass@1 is scored on the greedy output (HumanEval prompts only).
+A point is the greedy AR output on the pass@1 prompts (``prompts_pass.jsonl`` when the prompts stage wrote
+one — the first ``preset.n_pass_prompts`` HumanEval problems —, else the report's evaluation prompts) and the
+vanilla Jacobi output at block size ``n = preset.n2`` on the first ``preset.curve_tpf_prompts`` of them (0: all),
+both batched. The Jacobi output is asserted equal to AR (lossless), TPF is tokens emitted / forwards over those
+prompts, pass@1 is scored on the greedy output (HumanEval prompts only). Jacobi at n=32 costs ~32x the tokens
+of AR per forward on a CPU, hence the smaller TPF subset.
 
 Samples at a point: ``iteration x micro-batch size`` (one data-parallel rank, no gradient accumulation in the
 quickstart), plus every earlier round's samples. Each point is cached in ``report/curve_<ckpt>_<iter>.json``
@@ -53,7 +56,7 @@ def curve_points(pipe) -> list[dict]:
     return points
 
 
-def _evaluate_point(pipe, point, prompts, eos) -> dict:
+def _evaluate_point(pipe, point, prompts, n_tpf, eos) -> dict:
     from megatron_jf.checkpointing import load_model
     from megatron_jf.inference.engine import DecodeConfig, Engine
 
@@ -62,11 +65,11 @@ def _evaluate_point(pipe, point, prompts, eos) -> dict:
     eng = Engine(model)
     R = p.response_tokens
     ar = eng.generate(prompts, DecodeConfig("ar"), max_new_tokens=R, eos_ids=eos)
-    jac = eng.generate(prompts, DecodeConfig("jacobi", block_size=p.n2), max_new_tokens=R, eos_ids=eos)
+    jac = eng.generate(prompts[:n_tpf], DecodeConfig("jacobi", block_size=p.n2), max_new_tokens=R, eos_ids=eos)
     ref = [r.tokens for r in ar]
-    if [r.tokens for r in jac] != ref:
+    if [r.tokens for r in jac] != ref[:n_tpf]:
         raise AssertionError(f"{point['label']}: Jacobi n={p.n2} output differs from greedy AR (not lossless)")
-    return {"tpf": sum(len(t) for t in ref) / sum(r.forwards for r in jac), "outputs": ref}
+    return {"tpf": sum(len(r.tokens) for r in jac) / sum(r.forwards for r in jac), "outputs": ref}
 
 
 def evaluate_curve(pipe, prompt_rows: list[dict], eos) -> list[dict]:
@@ -80,9 +83,12 @@ def evaluate_curve(pipe, prompt_rows: list[dict], eos) -> list[dict]:
 
     from .report import _humaneval_pass1
 
+    if pipe.path("prompts_pass.jsonl").is_file():
+        prompt_rows = [json.loads(line) for line in open(pipe.path("prompts_pass.jsonl"))]
     humaneval = bool(prompt_rows) and "task_id" in prompt_rows[0]
     tok = load_tokenizer(pipe.path("base", "tokenizer")) if humaneval else None
     prompts = [r["prompt_ids"] for r in prompt_rows]
+    n_tpf = getattr(pipe.p, "curve_tpf_prompts", 0) or len(prompts)
     out_dir = pipe.path("report")
     out_dir.mkdir(exist_ok=True)
     res = []
@@ -91,7 +97,7 @@ def evaluate_curve(pipe, prompt_rows: list[dict], eos) -> list[dict]:
         ckdir = pipe.path(pt["ckpt"])
         stamp = os.stat(ckdir / (f"iter_{it:07d}" if it is not None else "latest_checkpointed_iteration.txt"))
         key = {"ckpt": pt["ckpt"], "iteration": it, "mtime": stamp.st_mtime_ns, "prompts": prompts,
-               "response_tokens": pipe.p.response_tokens, "block_size": pipe.p.n2}
+               "response_tokens": pipe.p.response_tokens, "block_size": pipe.p.n2, "tpf_prompts": n_tpf}
         cache = out_dir / f"curve_{pt['ckpt']}_{'latest' if it is None else it}.json"
         try:
             got = json.loads(cache.read_text())
@@ -99,21 +105,27 @@ def evaluate_curve(pipe, prompt_rows: list[dict], eos) -> list[dict]:
             got = None
         if not (isinstance(got, dict) and got.get("key") == key):
             pipe.log(f"[report] learning curve: {pt['label']} ({pt['samples']} samples)")
-            got = dict(_evaluate_point(pipe, pt, prompts, eos), key=key)
+            got = dict(_evaluate_point(pipe, pt, prompts, n_tpf, eos), key=key)
             atomic_write_json(cache, got, indent=None)
         pass1 = _humaneval_pass1(prompt_rows, {"m": got["outputs"]}, tok)["m"] if humaneval else None
-        res.append(dict(pt, tpf=got["tpf"], **{"pass@1": pass1}))
+        res.append(dict(pt, tpf=got["tpf"], tpf_prompts=n_tpf, pass_prompts=len(prompts), **{"pass@1": pass1}))
     return res
 
 
-def curve_markdown(points: list[dict], n: int, n_prompts: int) -> str:
-    """The report's learning-curve section (a table; the plot is ``learning_curve.png``)."""
-    lines = ["", f"Learning curve: vanilla Jacobi TPF at n={n} and greedy pass@1 on the {n_prompts} evaluation "
+def curve_markdown(points: list[dict], n: int) -> str:
+    """The report's learning-curve section (a table, the base-vs-final pass@1 comparison; the plot is
+    ``learning_curve.png``)."""
+    k, m = points[0]["tpf_prompts"], points[0]["pass_prompts"]
+    lines = ["", f"Learning curve: vanilla Jacobi TPF at n={n} on the first {k} and greedy pass@1 on {m} evaluation "
              "prompts at each saved checkpoint (Jacobi output asserted equal to greedy AR at every point):", "",
              "| Checkpoint | training samples | Jacobi TPF | pass@1 |", "|---|---|---|---|"]
     for pt in points:
-        p1 = "-" if pt["pass@1"] is None else f"{100 * pt['pass@1']:.1f}%"
+        p1 = "-" if pt["pass@1"] is None else f"{round(pt['pass@1'] * m)}/{m} ({100 * pt['pass@1']:.1f}%)"
         lines.append(f"| {pt['label']} | {pt['samples']} | {pt['tpf']:.3f} | {p1} |")
+    if points[0]["pass@1"] is not None and len(points) > 1:
+        d = round(points[-1]["pass@1"] * m) - round(points[0]["pass@1"] * m)
+        lines += ["", f"pass@1 on {m} problems, final checkpoint vs base: {d:+d} problems "
+                      f"({'within' if abs(d) <= 2 else 'outside'} the +-2 target)."]
     return "\n".join(lines) + "\n\n![learning curve](learning_curve.png)\n"
 
 

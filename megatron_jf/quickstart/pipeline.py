@@ -90,6 +90,9 @@ class Preset:
     max_prompt_tokens: int = 0  # "functions": drop prompts longer than this (0: no limit)
     jf_saves: int = 4  # checkpoints per JF round, evenly spaced (the learning curve's points)
     learning_curve: bool = False  # report: Jacobi TPF and pass@1 at every saved checkpoint
+    n_pass_prompts: int = 0  # --real: HumanEval problems of the learning curve's pass@1 (prompts_pass.jsonl)
+    curve_tpf_prompts: int = 0  # learning curve: Jacobi TPF on the first this many of them (0: all)
+    traj_response_tokens: int = 0  # trajectory collection's --max-new-tokens (0: response_tokens)
 
 
 PRESETS = {
@@ -266,7 +269,9 @@ class Pipeline:
         return {"train": len(train_rows), "eval": len(eval_rows)}
 
     def _humaneval_rows(self, tok, files) -> list[dict]:
-        """Held-out NLL tokens (stdlib held-out files, this tokenizer) and the first HumanEval problems as rows."""
+        """Held-out NLL tokens (stdlib held-out files, this tokenizer) and the first HumanEval problems as rows
+        (``n_eval_prompts`` of them; with ``n_pass_prompts`` the first that many also go to
+        ``prompts_pass.jsonl``, the learning curve's pass@1 set)."""
         import numpy as np
 
         from megatron_jf.eval.benchmarks import load_benchmark
@@ -278,9 +283,13 @@ class Pipeline:
         for f in held:
             toks.extend(tok.encode(Path(f.path).read_text(encoding="utf-8", errors="replace")))
         np.save(self.path("tokens_heldout.npy"), np.asarray(toks, dtype=np.int32))
-        return [{"id": pr.task_id, "task_id": pr.task_id,
+        rows = [{"id": pr.task_id, "task_id": pr.task_id,
                  "prompt_ids": tok.encode(tok.apply_chat_template(build_messages(pr)))}
-                for pr in load_benchmark("humaneval", limit=self.p.n_eval_prompts)]
+                for pr in load_benchmark("humaneval", limit=max(self.p.n_eval_prompts, self.p.n_pass_prompts))]
+        if self.p.n_pass_prompts:
+            atomic_write_text(self.path("prompts_pass.jsonl"),
+                              "".join(json.dumps(r) + "\n" for r in rows[:self.p.n_pass_prompts]))
+        return rows[:self.p.n_eval_prompts]
 
     def _function_prompts(self, tok, files) -> dict:
         """Training prompts from function stubs (:mod:`megatron_jf.quickstart.code_prompts`) in the evaluation's
@@ -310,7 +319,8 @@ class Pipeline:
         """Jacobi trajectories of ``model`` at block size ``n`` on the training prompts."""
         p = self.p
         self.run(["tools/generate_trajectories.py", "--load", self.path(model), "--prompts",
-                  self.path("prompts_train.jsonl"), "--block-size", n, "--max-new-tokens", p.response_tokens,
+                  self.path("prompts_train.jsonl"), "--block-size", n,
+                  "--max-new-tokens", p.traj_response_tokens or p.response_tokens,
                   "--batch-size", p.collect_batch, "--out", self.path(stage), "--threads", p.threads]
                  + ([] if p.repetition_filter else ["--no-filter"]), stage)
         man = json.loads(self.path(stage, "manifest.json").read_text())
