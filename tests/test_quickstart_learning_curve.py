@@ -103,3 +103,24 @@ def test_stage_costs_from_done_markers(tmp_path):
                      {"stage": "jf1", "seconds": 25.0, "samples": 100, "samples_per_s": 4.0}]
     md = costs_markdown(costs)
     assert "| traj1 | 80 | 40 | 0.500 |" in md and "| jf1 | 25 | 100 | 4.000 |" in md
+
+
+def test_interpretation_compares_base_and_final_against_the_targets():
+    from megatron_jf.quickstart.interpret import interpretation_markdown
+
+    def row(model, dec, tpf, nll, speed=1.0, p1=0.25):
+        return {"model": model, "decoder": dec, "tpf": tpf, "speedup": speed, "pass@1": p1, "nll": nll,
+                "tf_agreement_with_base": 1.0 if model == "base" else 0.9, "distinct4": 0.8}
+
+    rows = [row("base", "AR", 1.0, 1.20), row("base", "Jacobi (n=32)", 1.05, 1.20, 0.3),
+            row("base", "transformers greedy", 1.0, 1.20),
+            row("JF round 2", "AR", 1.0, 1.35), row("JF round 2", "Jacobi (n=32)", 1.62, 1.35, 0.5)]
+    curve = [{"pass@1": 10 / 40, "pass_prompts": 40}, {"pass@1": 7 / 40, "pass_prompts": 40}]
+    md = interpretation_markdown({"rows": rows, "learning_curve": curve})
+    assert "| Jacobi (n=32) | 1.05 -> 1.62 | 0.30x -> 0.50x | 25.0% -> 25.0% | 1.200 -> 1.350 (+0.150) | 90.0% |" in md
+    assert "transformers greedy |" not in md
+    assert "target >= 1.5 met" in md and "target <= 0.1 missed" in md
+    assert "-3 problems, target within 2: missed" in md
+    rows[-1]["tpf"] = 1.2
+    assert "missed by 0.30" in interpretation_markdown({"rows": rows})
+    assert interpretation_markdown({"rows": rows[:3]}) == ""  # one model: nothing to compare

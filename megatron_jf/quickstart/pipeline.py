@@ -93,6 +93,7 @@ class Preset:
     n_pass_prompts: int = 0  # --real: HumanEval problems of the learning curve's pass@1 (prompts_pass.jsonl)
     curve_tpf_prompts: int = 0  # learning curve: Jacobi TPF on the first this many of them (0: all)
     traj_response_tokens: int = 0  # trajectory collection's --max-new-tokens (0: response_tokens)
+    traj2_prompts: int = 0  # round 2 regenerates trajectories for the first this many training prompts (0: all)
 
 
 PRESETS = {
@@ -101,10 +102,18 @@ PRESETS = {
                     n_eval_prompts=6, response_tokens=64, collect_batch=12, jf1_steps=6, jf2_steps=6, jf_mbs=4,
                     eval_block_sizes=(8, 16), timing_prompts=2, nll_chunks=8),
     "default": Preset("default"),
-    "real": Preset("real", real=True, repetition_filter=True, n_train_prompts=64, n_eval_prompts=12,
-                   response_tokens=192, collect_batch=32, jf1_steps=40, jf2_steps=40, jf_mbs=2, jf_lr=2e-5,
-                   eval_block_sizes=(16, 32), timing_prompts=2, nll_chunks=16, prompt_tokens=96,
-                   report_models=("base", "jf2")),
+    # Sized from rates measured on SmolLM2-135M on this 2-core machine (docs/quickstart_real_costs.md): round 1
+    # collects n=16 trajectories (up to 128 new tokens) of 256 decontaminated function-stub prompts and trains
+    # one pass over them (128 steps x 2), round 2 regenerates 96 of them at n=32 with the round-1 model (48 steps
+    # x 2); lr 1e-4 (2e-5 moved nothing in 160 samples) with the AR term (weight 1) holding quality. The report
+    # evaluates base and round 2 on 12 HumanEval problems (speed rows) and the learning curve (base + 2
+    # checkpoints per round) on 40 (greedy pass@1) / the same 12 (Jacobi TPF at n=32). Projected ~108 min idle.
+    "real": Preset("real", real=True, repetition_filter=True, prompt_source="functions", max_prompt_tokens=320,
+                   n_train_prompts=256, n_eval_prompts=12, n_pass_prompts=40, response_tokens=192,
+                   traj_response_tokens=128, traj2_prompts=96, collect_batch=32, jf1_steps=128, jf2_steps=48,
+                   jf_mbs=2, jf_lr=1e-4,
+                   eval_block_sizes=(32,), timing_prompts=2, nll_chunks=16, prompt_tokens=96,
+                   report_models=("base", "jf2"), jf_saves=2, learning_curve=True, curve_tpf_prompts=12),
 }
 
 
@@ -316,10 +325,16 @@ class Pipeline:
         return {"train": len(train_rows), "eval": len(eval_rows), "stubs": stats}
 
     def stage_traj(self, stage: str, model: str, n: int) -> dict:
-        """Jacobi trajectories of ``model`` at block size ``n`` on the training prompts."""
+        """Jacobi trajectories of ``model`` at block size ``n`` on the training prompts (round 2: the first
+        ``traj2_prompts`` of them when set, written to ``prompts_traj2.jsonl``)."""
         p = self.p
-        self.run(["tools/generate_trajectories.py", "--load", self.path(model), "--prompts",
-                  self.path("prompts_train.jsonl"), "--block-size", n,
+        prompts = self.path("prompts_train.jsonl")
+        if stage == "traj2" and p.traj2_prompts:
+            lines = prompts.read_text().splitlines(keepends=True)[:p.traj2_prompts]
+            prompts = self.path("prompts_traj2.jsonl")
+            atomic_write_text(prompts, "".join(lines))
+        self.run(["tools/generate_trajectories.py", "--load", self.path(model), "--prompts", prompts,
+                  "--block-size", n,
                   "--max-new-tokens", p.traj_response_tokens or p.response_tokens,
                   "--batch-size", p.collect_batch, "--out", self.path(stage), "--threads", p.threads]
                  + ([] if p.repetition_filter else ["--no-filter"]), stage)
@@ -357,7 +372,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--smoke", action="store_true", help="tiny sizes, a couple of minutes (CI runs it)")
-    g.add_argument("--real", action="store_true", help="model B: SmolLM2-135M-Instruct (~65 min on 2 cores)")
+    g.add_argument("--real", action="store_true", help="model B: SmolLM2-135M-Instruct (~1 h 50 min on 2 idle cores)")
     ap.add_argument("--out", default=None, help="work directory (default runs/quickstart-<preset>)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads per process (default 2)")
     ap.add_argument("--until", default=None, choices=STAGES, help="stop after this stage")
@@ -373,9 +388,11 @@ def main(argv=None):
                              "(no preset.json)")
         shutil.rmtree(out)
     if preset.real:
-        print("model B (SmolLM2-135M-Instruct, 30 layers, vocab 49k; 64 training prompts, 12 HumanEval problems) on "
-              "2 CPU cores: about 65 minutes, measured here (export 1 min, trajectories n=16 9 min and n=32 12 min, "
-              "two training rounds 7 min each, report 28 min).", flush=True)
+        print("model B (SmolLM2-135M-Instruct, 30 layers, vocab 49k; 256 + 96 training samples, 12 HumanEval "
+              "problems for speed and 40 for pass@1) on 2 CPU cores: about 1 h 50 min on an idle machine, projected "
+              "from measured rates (trajectories n=16 20 min and n=32 14 min, training 19 + 7 min, report with the "
+              "learning curve 45 min; docs/quickstart_real_costs.md). A loaded machine takes proportionally longer.",
+              flush=True)
     elif preset.name == "default":
         print("default preset: model A end to end, about 27 minutes on an idle 2-core CPU.", flush=True)
     pipe = Pipeline(out, preset)

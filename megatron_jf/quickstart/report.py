@@ -143,6 +143,9 @@ def build_report(pipe) -> dict:
         summary["learning_curve"] = evaluate_curve(pipe, prompt_rows, eos)
         plot_curve(out_dir, summary["learning_curve"], p.n2)
         extra_md += curve_markdown(summary["learning_curve"], p.n2)
+    from megatron_jf.quickstart.interpret import interpretation_markdown  # base vs final JF against the targets
+
+    extra_md += interpretation_markdown(summary)
     from megatron_jf.quickstart.costs import costs_markdown, stage_costs  # seconds and samples/s per stage
 
     summary["stage_costs"] = stage_costs(pipe)
