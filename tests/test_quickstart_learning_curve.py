@@ -124,3 +124,32 @@ def test_interpretation_compares_base_and_final_against_the_targets():
     rows[-1]["tpf"] = 1.2
     assert "missed by 0.30" in interpretation_markdown({"rows": rows})
     assert interpretation_markdown({"rows": rows[:3]}) == ""  # one model: nothing to compare
+
+
+def test_real_preset_round2_collects_a_prefix_of_the_prompts(tmp_path):
+    """traj2 regenerates trajectories for the first traj2_prompts training prompts, at the trajectory length; the
+    JF rounds save jf_saves evenly spaced checkpoints (the learning curve's points)."""
+    from megatron_jf.quickstart.pipeline import Pipeline
+
+    pre = replace(PRESETS["real"], traj2_prompts=2, traj_response_tokens=24, response_tokens=64, jf2_steps=48)
+    pipe = Pipeline(tmp_path, pre, log=lambda *a: None)
+    (tmp_path / "prompts_train.jsonl").write_text("".join(json.dumps({"id": str(i), "prompt_ids": [i]}) + "\n"
+                                                          for i in range(5)))
+    calls = []
+
+    def fake_run(args, stage):  # the subprocess itself is covered by the smoke test; here only its arguments
+        calls.append([str(a) for a in args])
+        if stage.startswith("traj"):
+            (tmp_path / stage).mkdir(exist_ok=True)
+            (tmp_path / stage / "manifest.json").write_text(json.dumps({"counts": {"records": 2}}))
+
+    pipe.run = fake_run
+    pipe.stage_traj("traj2", "jf1", 32)
+    a = calls[-1]
+    assert a[a.index("--prompts") + 1] == str(tmp_path / "prompts_traj2.jsonl")
+    assert [json.loads(l)["id"] for l in open(tmp_path / "prompts_traj2.jsonl")] == ["0", "1"]
+    assert a[a.index("--max-new-tokens") + 1] == "24" and a[a.index("--block-size") + 1] == "32"
+    pipe.stage_traj("traj1", "base", 16)
+    assert calls[-1][calls[-1].index("--prompts") + 1] == str(tmp_path / "prompts_train.jsonl")
+    pipe.stage_jf("jf2", "jf1", "traj2", 32, 8, 48)
+    assert calls[-1][calls[-1].index("--save-interval") + 1] == "24"  # 2 saves per round: 24 and 48
