@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -153,3 +153,15 @@ def test_real_preset_round2_collects_a_prefix_of_the_prompts(tmp_path):
     assert calls[-1][calls[-1].index("--prompts") + 1] == str(tmp_path / "prompts_train.jsonl")
     pipe.stage_jf("jf2", "jf1", "traj2", 32, 8, 48)
     assert calls[-1][calls[-1].index("--save-interval") + 1] == "24"  # 2 saves per round: 24 and 48
+
+
+def test_work_directory_of_other_preset_settings_is_refused(tmp_path):
+    import pytest
+
+    from megatron_jf.quickstart.pipeline import main
+
+    out = tmp_path / "w"
+    out.mkdir()
+    atomic_write_json(out / "preset.json", dict(asdict(PRESETS["real"]), n_train_prompts=64, jf_lr=2e-5))
+    with pytest.raises(SystemExit, match=r"other preset settings \(jf_lr, n_train_prompts\).*--fresh"):
+        main(["--real", "--out", str(out), "--until", "corpus"])

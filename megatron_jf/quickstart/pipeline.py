@@ -395,6 +395,14 @@ def main(argv=None):
               flush=True)
     elif preset.name == "default":
         print("default preset: model A end to end, about 27 minutes on an idle 2-core CPU.", flush=True)
+    old = out / "preset.json"
+    if old.is_file():  # finished stages of other sizes would be skipped and mixed with these
+        prev = json.loads(old.read_text())
+        now = json.loads(json.dumps(asdict(preset)))
+        changed = sorted(k for k in set(prev) | set(now) if k != "threads" and prev.get(k) != now.get(k))
+        if changed:
+            raise SystemExit(f"error: {out} was made with other preset settings ({', '.join(changed)}); "
+                             "re-run with --fresh to start over, or pass another --out")
     pipe = Pipeline(out, preset)
     atomic_write_json(out / "preset.json", asdict(preset))
     try:
