@@ -190,8 +190,9 @@ def test_request_joins_running_batch(srv):
     th.join(120)
     assert r["usage"]["completion_tokens"] == 4
     assert short_done < done["long"]  # finished while the long request was still decoding
-    assert short_done - first <= 10
-    assert r["jf"]["batch_size"] == 2
+    assert r["jf"]["batch_size"] == 2  # decoded in the same engine steps as the long one
+    # (no bound on short_done - first: on a loaded machine the short request's parsing and tokenization in a
+    # worker thread can take many of the tiny model's millisecond steps)
 
 
 def test_disconnect_leaves_batch_and_metrics_add_up(srv):
