@@ -18,106 +18,24 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as so:
-        so.bind(("127.0.0.1", 0))
-        return so.getsockname()[1]
-
-
-MAX_CTX = 256
-
-
-def _wait_health(url, timeout, proc=None):
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"server at {url} did not come up in {timeout}s")
+from tests.server_common import MAX_CTX, REPO, serve  # noqa: E402
+from tests.server_common import free_port as _free_port  # noqa: E402
+from tests.server_common import offline as _offline  # noqa: E402
+from tests.server_common import sse as _sse  # noqa: E402
+from tests.server_common import text_of as _text  # noqa: E402
+from tests.server_common import wait_health as _wait_health  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def srv(mp1, tmp_path_factory):
-    from megatron_jf.checkpointing import load_model, tokenizer_path
-    from megatron_jf.inference.engine import DecodeConfig, Engine
-    from megatron_jf.server.app import create_app
-    from megatron_jf.server.metrics import Metrics
-    from megatron_jf.server.scheduler import Scheduler
-    from megatron_jf.server.tiny import build_tiny_checkpoint
-    from megatron_jf.tokenizer import load_tokenizer, stop_token_ids
-
-    ckpt = build_tiny_checkpoint(str(tmp_path_factory.mktemp("srv")), max_pos=MAX_CTX, in_process=True)
-    tok = load_tokenizer(tokenizer_path(ckpt))
-    model, margs, _ = load_model(ckpt)
-    engine = Engine(model)
-    metrics = Metrics("tiny")
-    stop_ids = stop_token_ids(tok, margs, ckpt)  # what the CLI uses
-    sched = Scheduler(engine, tok.decode, max_batch=32, max_queue=64, batch_wait_s=0.01, metrics=metrics)
-    app = create_app(sched, tok, model_name="tiny", default_config=DecodeConfig("mr", block_size=8), metrics=metrics,
-                     stop_ids=stop_ids)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=server.run, daemon=True)
-    th.start()
-    url = f"http://127.0.0.1:{port}"
-    _wait_health(url, 30)
-
-    class S:
-        pass
-
-    s = S()
-    s.url, s.tok, s.engine, s.sched, s.ckpt, s.metrics = url, tok, engine, sched, ckpt, metrics
-    s.stop_ids = stop_ids
+    s = serve(str(tmp_path_factory.mktemp("srv")))
     yield s
-    server.should_exit = True
-    th.join(10)
-    sched.shutdown()
+    s.close()
 
 
 PROMPTS = ["The quick brown fox", "Grüße aus Köln, 你好", "def add(a, b):"]
 DECODERS = [{"decoder": "ar"}, {"decoder": "mr", "block_size": 8, "num_blocks": 2, "verification_size": 3},
             {"decoder": "jacobi", "block_size": 4}, {"decoder": "running-window", "block_size": 5}]
-
-
-def _offline(s, prompt_ids, jf, max_new, stop=()):
-    from megatron_jf.inference.engine import DecodeConfig
-
-    return s.engine.generate([prompt_ids], DecodeConfig(**jf), max_new_tokens=max_new, eos_ids=s.stop_ids,
-                             stop_strings=tuple(stop), detokenize=s.tok.decode if stop else None)[0]
-
-
-def _text(s, prompt_ids, tokens, tail=""):
-    from megatron_jf.tokenizer import IncrementalDecoder
-
-    d = IncrementalDecoder(s.tok, prompt_ids)
-    return d.push(tokens) + d.flush() + tail
-
-
-def _sse(lines):
-    """Parse SSE lines into JSON events; assert the stream ends with [DONE]."""
-    events, done = [], False
-    for line in lines:
-        if not line:
-            continue
-        assert line.startswith("data: "), line
-        data = line[len("data: "):]
-        assert not done, "event after [DONE]"
-        if data == "[DONE]":
-            done = True
-            continue
-        events.append(json.loads(data))
-    assert done
-    return events
 
 
 @pytest.mark.parametrize("jf", DECODERS, ids=[d["decoder"] for d in DECODERS])
