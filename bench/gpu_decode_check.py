@@ -68,14 +68,7 @@ def build_random_model(shape: dict, dtype, device):
                            max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
                            share_embeddings_and_output_weights=args.tie_word_embeddings,
                            position_embedding_type="rope", rotary_percent=1.0, rotary_base=int(args.rope_theta))
-    model.vocab_size_unpadded = args.vocab_size
-    model.model_args = args
-    slot = 0
-    for mod in model.modules():
-        if isinstance(mod, JFCoreAttention):
-            mod.cache_slot = slot
-            slot += 1
-    model.num_local_layers = slot
+    gpt.finish_model(model, args)
     model = model.to(device).eval()
     g = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():

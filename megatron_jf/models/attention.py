@@ -129,6 +129,20 @@ class JFCoreAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
+        """Core attention in the mode the arguments select (module docstring).
+
+        Args:
+            query: ``[sq, b, np, hn]`` (packed: ``[t, np, hn]``); key/value ``[sk, b, ng, hn]`` (packed ``[t, ng, hn]``).
+            attention_mask: bool ``[b|1, 1, sq, sk]``, True = masked out, or None (causal / cached).
+            packed_seq_params: megatron-core ``PackedSeqParams`` (``qkv_format="thd"``) for the packed mode.
+
+        Returns:
+            ``[sq, b, np * hn]`` (packed: ``[t, np * hn]``), the input dtype.
+
+        Raises:
+            NotImplementedError: ``attention_bias``, or packed sequences with a KV cache attached.
+            ValueError: malformed ``packed_seq_params``.
+        """
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported")
         if packed_seq_params is not None:

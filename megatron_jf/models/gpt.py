@@ -155,6 +155,17 @@ def build_model(args: ModelArgs, *, params_dtype: torch.dtype | None = None, seq
         rotary_percent=1.0,
         rotary_base=int(args.rope_theta) if float(args.rope_theta).is_integer() else args.rope_theta,
     )
+    finish_model(model, args)
+    return model.to(device or platform.default_device())
+
+
+def finish_model(model, args: ModelArgs) -> None:
+    """Attach what the engine and tools read to a freshly built ``JFGPTModel`` (in place).
+
+    Sets ``model.vocab_size_unpadded`` and ``model.model_args``, numbers this stage's core attentions
+    ``cache_slot = 0, 1, ...`` (their layer index in a :class:`~megatron_jf.models.kv_cache.KVCache`) and
+    ``model.num_local_layers``. Raises nothing.
+    """
     model.vocab_size_unpadded = args.vocab_size
     model.model_args = args
     slot = 0
@@ -163,7 +174,6 @@ def build_model(args: ModelArgs, *, params_dtype: torch.dtype | None = None, seq
             m.cache_slot = slot
             slot += 1
     model.num_local_layers = slot
-    return model.to(device or platform.default_device())
 
 
 def unwrap(model):
