@@ -7,9 +7,10 @@
 Also reports, per decoder, the engine's own Python time per iteration (decode time outside the model forward,
 ms, and its share of decode time; target <= 5%), every speedup against the faster of this project's AR and
 ``transformers`` greedy on the same weights in the same run (named in the output; ``--no-hf`` skips it), and
-the cost of one cached forward at equal full width (after 160 tokens): AR, Jacobi ``1+n`` and MR with
-verification size v as the engine runs it at batch 1 (main chain, then only candidates whose first token is the
-greedy prediction: none live / one live) and as one full-tree forward (target <= 1.5x Jacobi at v=4).
+the cost of one cached verification at equal full width (after 160 tokens): AR, Jacobi ``1+n`` and MR with
+verification size v both ways the engine runs it (``tree``: one forward over every candidate; ``pruned``: main
+chain, then only candidates that can still win -- none live / one live), and the share of MR forwards that needed
+a second pass in the decode runs above (target <= 1.5x Jacobi at v=4).
 """
 
 from __future__ import annotations
@@ -39,32 +40,28 @@ def _builtin_model(hidden, layers, vocab):
 
 def tree_layout(n: int, K: int, v: int):
     """One MR forward at full width: ``[last] + K*n`` main draft (causal) and ``v-1`` recycled candidates of
-    ``n`` tokens, each a branch after ``last`` (as the engine lays them out). Returns ``(s, tree, branches)``."""
-    import torch
+    ``n`` tokens, each a branch after ``last`` (as the engine lays them out in ``tree`` mode). Returns
+    ``(s, tree, cand_lens)``."""
+    from megatron_jf.inference.mr_verify import tree_mask
 
     main = 1 + K * n
-    s = main + (v - 1) * n
-    tree = torch.ones(s, s, dtype=torch.bool).tril_()
-    branches = []
-    off = main
-    for _ in range(v - 1):
-        tree[off:off + n, 1:off] = False
-        tree[off:, off:off + n] = False
-        tree[off:off + n, off:off + n] = torch.ones(n, n, dtype=torch.bool).tril_()
-        branches.append((off, n))
-        off += n
-    return s, tree, branches
+    lens = [n] * (v - 1)
+    s = main + sum(lens)
+    return s, tree_mask(main, lens, s), lens
 
 
 def forward_costs(model, n: int, context: int = 160, reps: int = 7, layouts=((1, 4), (2, 4), (1, 8))):
-    """Median ms of one cached forward at full width, interleaved, each after ``context`` committed tokens:
-    AR (1 token), Jacobi (1+n, causal) and MR (K, v) as the engine runs it at batch 1 (two passes: main chain,
-    then the candidates whose first token is the greedy prediction), with no live candidate and with one,
-    and as one full-tree forward (every candidate computed). Returns ``{name: ms}``."""
+    """Median ms of one cached MR verification at full width, interleaved, each after ``context`` committed
+    tokens: AR (1 token), Jacobi (1+n, causal), and MR (K, v) both ways the engine runs it
+    (:mod:`megatron_jf.inference.mr_verify`): ``tree`` (one forward over main chain + every candidate) and
+    ``pruned`` (main chain, then a second pass over the candidates that can still win) with no live candidate and
+    with one live candidate that shares nothing with the draft (the worst case: all n of its tokens computed).
+    Returns ``{name: ms}``."""
     import statistics
 
     import torch
 
+    from megatron_jf.inference import mr_verify
     from megatron_jf.models.gpt import forward_logits, new_kv_cache
 
     vocab = model.vocab_size_unpadded
@@ -77,27 +74,39 @@ def forward_costs(model, n: int, context: int = 160, reps: int = 7, layouts=((1,
     cache.commit([context - 1])
     g0 = int(forward_logits(model, ctx[:, -1:], torch.tensor([[context - 1]]), kv_cache=cache)[0, 0].argmax())
     cache.commit([0])
-    cases = {"ar": (1, None, None, False), f"jacobi n={n}": (1 + n, None, None, False)}
+    base = context - 1
+    cases = {"ar": (1, 0, 0, None), f"jacobi n={n}": (n, 0, 0, None)}
     for K, v in layouts:
-        s, tree, br = tree_layout(n, K, v)
-        cases[f"mr n={n} K={K} v={v} no live branch"] = (s, tree, br, False)
-        cases[f"mr n={n} K={K} v={v} one live branch"] = (s, tree, br, True)
-        cases[f"mr n={n} K={K} v={v} full tree"] = (s, tree, None, False)
+        cases[f"mr n={n} K={K} v={v} tree (one forward)"] = (K * n, v, n, "tree")
+        cases[f"mr n={n} K={K} v={v} pruned, none live"] = (K * n, v, n, 0)
+        cases[f"mr n={n} K={K} v={v} pruned, one live"] = (K * n, v, n, 1)
     times = {k: [] for k in cases}
     for rep in range(reps + 1):
-        for name, (s, tree, br, live) in cases.items():
-            toks = torch.randint(0, vocab, (1, s), generator=g)
-            toks[0, 0] = last
-            if br:
-                for o, _ in br:  # candidates start with a token that is not the greedy prediction ...
-                    toks[0, o] = (g0 + 1 + o) % vocab
-                if live:  # ... except one
-                    toks[0, br[0][0]] = g0
-            pos = torch.arange(context - 1, context - 1 + s)[None]
-            if br:
-                pos[0, 1 + (s - 1 - len(br) * n):] = torch.cat([torch.arange(context, context + n)] * len(br))
+        for name, (m, v, cl, how) in cases.items():
+            draft = torch.randint(0, vocab, (m,), generator=g).tolist()
+            if draft and draft[0] == g0:
+                draft[0] = (g0 + 1) % vocab  # the draft matches nothing (k_main = 0)
+            cands = [[(g0 + 1 + j) % vocab] + torch.randint(0, vocab, (cl - 1,), generator=g).tolist()
+                     for j in range(max(v - 1, 0))]  # no candidate starts with the greedy token ...
+            if how == 1:
+                cands[0][0] = g0  # ... except one
             t0 = time.perf_counter()
-            forward_logits(model, toks, pos, kv_cache=cache, new_mask=tree, branches=[br] if br else None)
+            if how == "tree":
+                s, tree, lens = tree_layout(n, m // n, v)
+                seq = [last] + draft + [t for c in cands for t in c]
+                pos = list(range(base, base + 1 + m)) + [base + 1 + j for c in cands for j in range(len(c))]
+                forward_logits(model, torch.tensor([seq]), torch.tensor([pos]), kv_cache=cache, new_mask=tree[None])
+            else:
+                main = forward_logits(model, torch.tensor([[last] + draft]), torch.arange(base, base + 1 + m)[None],
+                                      kv_cache=cache)[0]
+                if how is not None:
+                    gm = main.argmax(-1).tolist()
+                    k = mr_verify.matches(draft, gm)
+                    live = mr_verify.live_candidates(draft, gm, k, cands)
+                    assert len(live) == how, (len(live), how)
+                    if live:
+                        mr_verify.pruned_second_pass(model, cache, base=base, block=1 + m, main_logits=main, g=gm,
+                                                     k_main=k, live=live)
             dt = time.perf_counter() - t0
             cache.commit([0])  # keep nothing: the next case sees the same context
             if rep:  # the first round warms up
@@ -125,6 +134,7 @@ def main(argv=None):
     torch.set_num_threads(a.threads)
     from megatron_jf import parallel
     from megatron_jf.inference import engine as eng_mod
+    from megatron_jf.inference import mr_verify
     from megatron_jf.inference.engine import DecodeConfig, Engine
 
     parallel.initialize(1, 1)
@@ -164,7 +174,18 @@ def main(argv=None):
             decode_fwd[1] += 1
         return out
 
+    second = [0]  # MR second passes (pruned verification with a live candidate)
+    orig_second = mr_verify.pruned_second_pass
+
+    def timed_second(*args, **kw):
+        t = time.perf_counter()
+        out = orig_second(*args, **kw)
+        decode_fwd[0] += time.perf_counter() - t  # model work, not engine Python
+        second[0] += 1
+        return out
+
     eng_mod.forward_logits = timed
+    mr_verify.pruned_second_pass = timed_second
     n = a.block_size
     configs = [("ar", DecodeConfig("ar")), (f"jacobi n={n}", DecodeConfig("jacobi", block_size=n)),
                (f"running-window n={n}", DecodeConfig("running-window", block_size=n)),
@@ -181,7 +202,7 @@ def main(argv=None):
         hf = hf_twin(model)
     rows, ref = [], None
     for name, cfg in configs:
-        decode_fwd[0], decode_fwd[1] = 0.0, 0
+        decode_fwd[0], decode_fwd[1], second[0] = 0.0, 0, 0
         t0 = time.perf_counter()
         res = [engine.generate([pr], cfg, max_new_tokens=a.max_new_tokens)[0] for pr in prompts]
         wall = time.perf_counter() - t0
@@ -195,8 +216,9 @@ def main(argv=None):
         rows.append(dict(decoder=name, tokens=toks, forwards=fwds, tpf=toks / fwds, tps=toks / decode,
                          wall_s=wall, decode_s=decode, fwd_s=decode_fwd[0], lossless=lossless,
                          ms_per_decode_forward=1000 * decode / fwds, python_ms_per_iter=1000 * py / fwds,
-                         overhead_share=py / decode))
+                         overhead_share=py / decode, second_pass_share=second[0] / fwds))
     eng_mod.forward_logits = orig
+    mr_verify.pruned_second_pass = orig_second
     hf_tps = None
     if hf is not None:  # transformers greedy on the same weights, timed the same way (decode only: end-to-end
         # minus a 1-token generate, i.e. minus its prefill)
@@ -217,13 +239,14 @@ def main(argv=None):
     base_name, base = ("this project's ar", ar["tps"])
     if hf_tps is not None and hf_tps > base:
         base_name, base = "transformers greedy", hf_tps
-    print(f"{'decoder':22s} {'TPF':>6s} {'TPS':>8s} {'speedup':>8s} {'ms/fwd':>7s} {'py ms/it':>9s} {'overhead':>9s} lossless")
+    print(f"{'decoder':22s} {'TPF':>6s} {'TPS':>8s} {'speedup':>8s} {'ms/fwd':>7s} {'py ms/it':>9s} {'overhead':>9s} "
+          f"{'2nd pass':>8s} lossless")
     for r in rows:
         r["speedup_vs_ar"] = r["tps"] / ar["tps"]
         r["speedup_vs_fastest_ar"] = r["tps"] / base
         print(f"{r['decoder']:22s} {r['tpf']:6.2f} {r['tps']:8.1f} {r['speedup_vs_fastest_ar']:7.2f}x "
               f"{r['ms_per_decode_forward']:7.2f} {r['python_ms_per_iter']:9.3f} {100 * r['overhead_share']:8.1f}% "
-              f"{r['lossless']}")
+              f"{100 * r['second_pass_share']:7.1f}% {r['lossless']}")
     if hf_tps is not None:
         print(f"{'transformers greedy':22s} {1.0:6.2f} {hf_tps:8.1f} {hf_tps / base:7.2f}x   (same weights; "
               f"outputs equal: {ok})")
@@ -232,11 +255,20 @@ def main(argv=None):
           f"(target <= 5%)")
     costs = forward_costs(model, n)
     jac = costs[f"jacobi n={n}"]
-    print(f"one cached forward at full width after 160 tokens (median ms; ratio to Jacobi 1+n={n + 1}):")
+    print(f"one cached verification at full width after 160 tokens (median ms; ratio to Jacobi 1+n={n + 1}):")
     for k, v in costs.items():
-        print(f"  {k:38s} {v:8.2f} ms  {v / jac:5.2f}x")
-    print("  (MR target: <= 1.5x Jacobi at v=4; 'one live branch' = a recycled candidate whose first token is the "
-          "greedy prediction, the only kind that is computed)")
+        print(f"  {k:40s} {v:8.2f} ms  {v / jac:5.2f}x")
+    print("  (MR target: <= 1.5x Jacobi at v=4. 'pruned' runs the main chain, then a second pass only when a candidate"
+          " can still win; '2nd pass' above: the share of decode forwards that needed one. Expected pruned cost per"
+          " forward = none-live cost + share x (one-live - none-live).)")
+    for r in rows:
+        if r["decoder"].startswith("mr"):
+            tag = r["decoder"].split("mr ")[1]
+            none, one = (costs.get(f"mr {tag} pruned, {w}") for w in ("none live", "one live"))
+            if none and one:
+                exp = none + r["second_pass_share"] * (one - none)
+                print(f"  {r['decoder']}: expected pruned verification in the decode runs above {exp:.2f} ms = "
+                      f"{exp / jac:.2f}x Jacobi")
     if a.json:
         from megatron_jf.fileio import atomic_write_json
 

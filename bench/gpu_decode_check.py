@@ -184,28 +184,36 @@ def main(argv=None):
     for n in (16, 32, 64, 128):
         widths[f"1+{n}"] = (1 + n, None, None)
     for K in (1, 2):
-        s, tree, br = tree_layout(16, K, 4)
-        widths[f"mr n=16 K={K} v=4 full tree"] = (s, tree, None)
-        widths[f"mr n=16 K={K} v=4 two-pass, one live"] = (s, tree, br)
+        s, tree, _ = tree_layout(16, K, 4)
+        widths[f"mr n=16 K={K} v=4 tree (one forward)"] = (s, tree, None)
+        widths[f"mr n=16 K={K} v=4 pruned, one live"] = (1 + K * 16, None, "pruned")
     dec = StaticDecoder(lean, cache, buckets=sorted({w for w, _, _ in widths.values()}), use_graphs=cuda)
     base_tok = prompt[:, -1:]
     g0 = int(dec.forward(base_tok, cache.lengths[:, None].clone())[0, 0].argmax())
     cache.commit([0])
     costs = {}
-    for name, (s, tree, br) in widths.items():
+    from megatron_jf.inference import mr_verify
+
+    for name, (s, tree, kind) in widths.items():
         toks = torch.randint(0, vocab, (1, s), generator=g)
         toks[0, 0] = base_tok[0, 0]
         pos = cache.lengths[:, None] + torch.arange(s)[None]
         if tree is not None:  # the 3 candidate branches sit at positions last+1.. like the main draft
             pos[0, s - 3 * 16:] = torch.cat([cache.lengths + 1 + torch.arange(16)] * 3)
-        if br:
-            for o, _ in br:
-                toks[0, o] = (g0 + 1 + o) % vocab
-            toks[0, br[0][0]] = g0
+        if kind == "pruned":  # main chain (static path), then one live 16-token candidate (eager second pass)
+            toks[0, 1] = (g0 + 1) % vocab
+            cand = [g0] + torch.randint(0, vocab, (15,), generator=g).tolist()
 
         def fwd():
-            if br:
-                forward_logits(model, toks, pos, kv_cache=cache, new_mask=tree, branches=[br])
+            if kind == "pruned":
+                base = int(cache.lengths[0])
+                main = dec.forward(toks, pos)[0, :s, :vocab].float()
+                gm = main.argmax(-1).tolist()
+                k = mr_verify.matches(toks[0, 1:].tolist(), gm)
+                live = mr_verify.live_candidates(toks[0, 1:].tolist(), gm, k, [cand])
+                if live:
+                    mr_verify.pruned_second_pass(model, cache, base=base, block=s, main_logits=main, g=gm, k_main=k,
+                                                 live=live)
             elif tree is not None:
                 dec.forward(toks, pos, tree)
             else:

@@ -25,9 +25,10 @@ Decoders differ only in the draft they keep:
                     model's prediction). Its draft and stable tokens carry over and are verified when
                     it is reached. Rejected draft n-grams go to an n-gram pool that persists for the
                     request; up to ``verification_size - 1`` pool candidates for the RA block are
-                    verified in the same forward next to the Jacobi draft (as extra branches of one
-                    row under a tree mask, sharing the prefix KV instead of copying it per candidate);
-                    the candidate with the most greedily-matching tokens is verified and wins.
+                    verified next to the Jacobi draft, sharing its prefix KV: in the same forward as
+                    tree branches, or in a second pass over only the candidates that can still win
+                    (:mod:`~megatron_jf.inference.mr_verify`); the branch with the most
+                    greedily-matching tokens is verified and wins.
 
 Stopping: any of ``eos_ids`` (kept in the output, nothing after it emitted, counted or cached),
 stop strings (needs ``detokenize``; the output ends right before the first occurrence of any of them,
@@ -50,6 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_jf.inference import mr_verify as mr_verify_mod
 from megatron_jf.inference.ngram_pool import NGramPool
 from megatron_jf.inference.sampling import SamplingParams, verify
 from megatron_jf.models.gpt import forward_logits, new_kv_cache, unwrap
@@ -203,14 +205,22 @@ class Engine:
             parallelism every rank runs the same calls (same prompts and seeds): logits are gathered,
             so all ranks make the same decisions.
         max_context: the model's context window (prompt + output), tokens.
+        mr_verify: how MR verifies recycled candidates: ``tree`` (one forward), ``pruned`` (main chain, then
+            only the candidates that can still win) or ``auto`` (``MEGATRON_JF_MR_VERIFY``, else pruned on CPU,
+            tree on CUDA); see :mod:`megatron_jf.inference.mr_verify`. Output is the same either way.
+
+    Raises:
+        ValueError: an unknown ``mr_verify``.
     """
 
-    def __init__(self, model, max_context: int | None = None, check_invariants: bool = False):
+    def __init__(self, model, max_context: int | None = None, check_invariants: bool = False,
+                 mr_verify: str = "auto"):
         self.model = model
         self.check_invariants = check_invariants  # tests: assert the KV-cache length after every step
         m = unwrap(model)
         self.max_context = max_context or m.model_args.max_position_embeddings
         self.vocab_size = m.vocab_size_unpadded
+        self.mr_verify = mr_verify_mod.resolve_mode(mr_verify, next(m.parameters()).device)
 
     # ------------------------------------------------------------------ public API
     def open_batch(self, capacity: int, *, max_width: int = 256, max_len: int | None = None,
@@ -503,36 +513,47 @@ class BatchSession:
 
     def _forward(self, lo: int, hi: int, seqs: list[list[int]], on_tokens) -> None:
         """One decode forward for rows ``[lo, hi)`` (their drafts and candidates in ``seqs``), then
-        verification and the KV commit of each."""
+        verification and the KV commit of each. MR candidates are verified as :mod:`mr_verify` says:
+        in the same forward (``tree``) or, after the main chains, in a second pass over only the
+        candidates that can still win (``pruned``)."""
         rows = self._rows[lo:hi]
         m = hi - lo
         cache = _rows_view(self.cache, lo, hi)
+        pruned = self.engine.mr_verify == "pruned" and any(r.cands for r in rows)
+        if pruned:
+            seqs = [x[: r.n_main] for r, x in zip(rows, seqs)]  # pass 1: the main chains
         s = max(len(x) for x in seqs)
         toks = torch.zeros(m, s, dtype=torch.long)
         pos = torch.zeros(m, s, dtype=torch.long)
         tree = None
-        branches = None
-        if any(r.cands for r in rows):
+        if not pruned and any(r.cands for r in rows):
             tree = torch.ones(m, s, s, dtype=torch.bool).tril_()
-            branches = [[] for _ in rows]
         for i, (r, seq) in enumerate(zip(rows, seqs)):
             base = len(r.prompt) + len(r.out) - 1  # position of `last`
             toks[i, : len(seq)] = torch.tensor(seq)
             p = list(range(base, base + r.n_main))
-            off = r.n_main
-            for c in r.cands:
-                branches[i].append((off, len(c)))
-                p += list(range(base + 1, base + 1 + len(c)))
-                # a candidate sees `last` and itself, not the main chain or other candidates
-                tree[i, off:off + len(c), 1:off] = False
-                tree[i, off:, off:off + len(c)] &= False
-                tree[i, off:off + len(c), off:off + len(c)] = torch.ones(len(c), len(c), dtype=torch.bool).tril_()
-                off += len(c)
+            if tree is not None and r.cands:
+                for c in r.cands:
+                    p += range(base + 1, base + 1 + len(c))
+                tree[i] = mr_verify_mod.tree_mask(r.n_main, [len(c) for c in r.cands], s)
             pos[i, : len(p)] = torch.tensor(p)
             pos[i, len(p):] = base + r.n_main  # padding: causal tail, never committed
-        # branches: candidates whose first token misses the greedy prediction after `last` are not computed
-        logits = forward_logits(self.model, toks, pos, kv_cache=cache, new_mask=tree, branches=branches)
-        keep = [self._update(r, logits[i], on_tokens) for i, r in enumerate(rows)]
+        logits = forward_logits(self.model, toks, pos, kv_cache=cache, new_mask=tree)
+        keep = []
+        for i, r in enumerate(rows):
+            main = logits[i, : r.n_main]  # row j predicts draft[j]; the last row predicts past the draft
+            g = main.argmax(-1).tolist()
+            k_main = _matches(r.draft, g)
+            best = None
+            if r.cands and not pruned:
+                best = mr_verify_mod.best_in_tree(main, g, k_main, logits[i], r.cands, r.n_main)
+            elif r.cands:
+                live = mr_verify_mod.live_candidates(r.draft, g, k_main, r.cands)
+                if live:
+                    best, _ = mr_verify_mod.pruned_second_pass(
+                        self.model, _rows_view(cache, i, i + 1), base=len(r.prompt) + len(r.out) - 1, block=s,
+                        main_logits=main, g=g, k_main=k_main, live=live)
+            keep.append(self._update(r, main, g, k_main, best, on_tokens))
         cache.commit(keep)
 
     def _prefill(self) -> None:
@@ -571,34 +592,24 @@ class BatchSession:
         P = len(r.prompt)
         return [r.prompt[j] if j < P else r.out[j - P] for j in picks]
 
-    def _update(self, r: _Row, logits: torch.Tensor, on_tokens):
-        """Verify this row's drafts, emit tokens, choose the KV slots to keep, build the next draft.
+    def _update(self, r: _Row, main: torch.Tensor, g: list[int], k_main: int, best, on_tokens):
+        """Verify this row's winning branch, emit tokens, choose the KV slots to keep, build the next draft.
 
-        Returns the row's ``KVCache.commit`` entry: a count (prefix of this forward's tokens) or slot indices.
+        ``main``: logits ``[n_main, V]`` of ``[last] + draft`` (``g`` their argmax, ``k_main`` the draft's greedy
+        match); ``best``: the winning recycled candidate (:class:`~megatron_jf.inference.mr_verify.Branch`) or
+        None for the Jacobi draft. Returns the row's ``KVCache.commit`` entry: a count (prefix of this forward's
+        tokens) or slot indices.
         """
         cfg = r.cfg
         n = cfg.block_size
-        main = logits[: r.n_main]  # row j predicts draft[j]; the last row predicts past the draft
-        g = main.argmax(-1).tolist()
-        k_main = _matches(r.draft, g)
-        best = None
-        if r.cands:
-            # pick the branch by greedy match length: a function of the logits only, so the stochastic
-            # verification below stays lossless when sampling
-            best_k, off = k_main, r.n_main
-            for c in r.cands:
-                lg = torch.cat([main[:1], logits[off: off + len(c)]], 0)
-                k = _matches(c, lg.argmax(-1).tolist())
-                if k > best_k:
-                    best_k, best = k, (c, lg, off)
-                off += len(c)
+        greedy = r.sampling.greedy  # greedy verification needs only the argmax, computed once already
         if best is None:
-            emitted = verify(r.draft, main, r.sampling, r.gen)
+            emitted = r.draft[:k_main] + [g[k_main]] if greedy else verify(r.draft, main, r.sampling, r.gen)
             slots = None
         else:
-            c, lg, off = best
-            emitted = verify(c, lg, r.sampling, r.gen)
-            slots = [0] + list(range(off, off + len(emitted) - 1))
+            emitted = (best.tokens[:best.matched] + [best.next_token] if greedy
+                       else verify(best.tokens, best.logits, r.sampling, r.gen))
+            slots = best.slots
         from_draft = len(emitted) - 1
         finish = ""
         for j, t in enumerate(emitted):
@@ -629,7 +640,7 @@ class BatchSession:
                 safe = len(r.out)  # nothing can follow: whatever was held back is final
         r.forwards += 1
         r.accepted.append(len(emitted))
-        r.draft_lens.append(len(r.draft) if best is None else len(best[0]))
+        r.draft_lens.append(len(r.draft) if best is None else len(best.tokens))
         r.draft_accepted.append(min(from_draft, len(emitted)))
         if on_tokens is not None and safe > r.sent:
             on_tokens(r.key, r.out[r.sent:safe])
@@ -744,12 +755,7 @@ def _close_trajectory(r: _Row, n: int) -> None:
         r.traj.append({"context_len": len(r.prompt) + covered, "drafts": [list(extra)], "fixed_point": list(extra)})
 
 
-def _matches(draft: list[int], g: list[int]) -> int:
-    """Length of the longest prefix of ``draft`` equal to the greedy predictions ``g`` (``g[j]`` predicts ``draft[j]``)."""
-    k = 0
-    while k < len(draft) and draft[k] == g[k]:
-        k += 1
-    return k
+_matches = mr_verify_mod.matches
 
 
 def _rows_view(cache, lo: int, hi: int):

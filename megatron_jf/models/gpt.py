@@ -211,7 +211,8 @@ def attach_kv_cache(model, cache: KVCache | None):
 def forward_logits(model, tokens: torch.Tensor, position_ids: torch.Tensor, *,
                    allowed: torch.Tensor | None = None, kv_cache: KVCache | None = None,
                    new_mask: torch.Tensor | None = None, return_logits: bool = True,
-                   impl: str = "auto", branches: list[list[tuple[int, int]]] | None = None) -> torch.Tensor | None:
+                   impl: str = "auto", slots: torch.Tensor | None = None,
+                   region: int | None = None) -> torch.Tensor | None:
     """One inference forward; returns full-vocabulary logits (gathered over TP).
 
     Runs :class:`~megatron_jf.inference.lean_forward.LeanForward` (plain tensor ops over the same
@@ -231,21 +232,20 @@ def forward_logits(model, tokens: torch.Tensor, position_ids: torch.Tensor, *,
         impl: ``auto`` (lean forward when supported; on CUDA, cached decode forwards take the static-shape
             CUDA-graph path of :mod:`megatron_jf.inference.static_decode`), ``lean`` (required), ``static``
             (lean + the static-shape path, eager off CUDA; for tests) or ``megatron``.
-        branches: MR verification (paper Sec. 3.2): per batch row, ``(offset, length)`` of each recycled
-            candidate, a tree branch that sees new token 0 (``last``) and itself; the main chain is
-            new tokens ``[0, first offset)``. With one row and a cache, the forward runs in two passes:
-            the main chain first, then only the branches whose first token equals the greedy
-            prediction at token 0 -- a branch whose first token is not that prediction accepts no token
-            (greedy or sampled, since a branch wins only with a greedy match), so its rows are not
-            computed and its logits are ``-inf``. Same logits otherwise; ignored for b > 1.
+        slots, region: with a cache, a second pass over part of the current block (MR verification of
+            recycled candidates, :mod:`megatron_jf.inference.mr_verify`): the tokens go to slots
+            ``lengths + slots[i]`` of a block of ``region`` new slots, part of which an earlier forward since
+            the last commit wrote; ``new_mask`` is then bool ``[b|1, s, region]`` over the whole block
+            (see ``KVCache.begin``). Always the eager lean/megatron forward.
 
     Returns:
         float32 logits ``[b, s, vocab]`` (vocabulary padding removed), or None with
         ``return_logits=False``. Requires a single pipeline stage (decoding with PP > 1 is not supported).
 
     Raises:
-        ValueError: shape mismatch between tokens and positions, PP > 1, an unknown ``impl``, or
-            ``impl="lean"`` on a model the lean forward does not support.
+        ValueError: shape mismatch between tokens and positions, PP > 1, an unknown ``impl``,
+            ``impl="lean"`` on a model the lean forward does not support, or ``slots`` without a cache
+            (bad slots or masks: see ``KVCache.begin``).
     """
     if tokens.shape != position_ids.shape or tokens.dim() != 2:
         raise ValueError(f"tokens {tuple(tokens.shape)} and position_ids {tuple(position_ids.shape)} must both be [b, s]")
@@ -256,8 +256,11 @@ def forward_logits(model, tokens: torch.Tensor, position_ids: torch.Tensor, *,
     m = unwrap(model)
     dev = m.embedding.word_embeddings.weight.device if m.pre_process else next(m.parameters()).device
     tokens, position_ids = tokens.to(dev), position_ids.to(dev)
-    if branches is not None and kv_cache is not None and tokens.shape[0] == 1 and branches[0] and return_logits:
-        return _forward_pruned_tree(m, tokens, position_ids, kv_cache, new_mask, impl, branches[0])
+    if slots is not None:
+        if kv_cache is None:
+            raise ValueError("forward_logits(slots=...) needs a KV cache")
+        return _forward(m, tokens, position_ids, None, kv_cache,
+                        dict(num_new=tokens.shape[1], new_mask=new_mask, slots=slots, region=region), return_logits, impl)
     mask = None
     if kv_cache is None and allowed is not None:
         a = allowed if allowed.dim() == 3 else allowed.unsqueeze(0)
@@ -305,26 +308,3 @@ def _forward(m, tokens, position_ids, mask, kv_cache, begin_kw, return_logits, i
         return None
     return logits[..., : m.vocab_size_unpadded].float()
 
-
-def _forward_pruned_tree(m, tokens, position_ids, kv_cache, new_mask, impl, branches):
-    """Two-pass MR verification forward for one row (see ``forward_logits(branches=...)``)."""
-    s = tokens.shape[1]
-    offs = sorted(branches)
-    for o, n in offs:
-        if o < 1 or n < 1 or o + n > s:
-            raise ValueError(f"branch (offset {o}, length {n}) outside the {s} new tokens")
-    main = offs[0][0]
-    nm = None if new_mask is None else (new_mask[0] if new_mask.dim() == 3 else new_mask).to(tokens.device)
-    if nm is None:
-        nm = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril_()
-    first = _forward(m, tokens[:, :main], position_ids[:, :main], None, kv_cache,
-                     dict(num_new=main, new_mask=nm[:main, :main]), True, impl)
-    out = first.new_full((1, s, first.shape[-1]), float("-inf"))
-    out[:, :main] = first
-    g0 = int(first[0, 0].argmax())
-    live = [(o, n) for o, n in offs if int(tokens[0, o]) == g0]
-    if live:
-        idx = torch.cat([torch.arange(o, o + n) for o, n in live]).to(tokens.device)
-        out[:, idx] = _forward(m, tokens[:, idx], position_ids[:, idx], None, kv_cache,
-                               dict(num_new=int(idx.numel()), new_mask=nm[idx][None], slots=idx, region=s), True, impl)
-    return out
