@@ -32,10 +32,11 @@ from megatron_jf.training.trainer import DatasetSpec, TrainConfig, effective_seq
 
 def model_provider(model_args, cfg: TrainConfig):
     """This rank's :class:`~megatron_jf.models.gpt.JFGPTModel` (pre/post-process from the PP stage), with the
-    run's activation-recomputation settings (``--recompute-*``)."""
+    run's activation-recomputation settings (``--recompute-*``) and layer spec (``--transformer-impl``)."""
     from megatron_jf.models.gpt import build_model
 
-    return build_model(model_args, recompute=cfg.recompute_kwargs(), sequence_parallel=cfg.sequence_parallel)
+    return build_model(model_args, recompute=cfg.recompute_kwargs(), sequence_parallel=cfg.sequence_parallel,
+                       transformer_impl=cfg.transformer_impl)
 
 
 def loss_func(batch, loss_cfg, vocab_size: int, output_tensor: torch.Tensor):

@@ -449,19 +449,23 @@ def stored_dtype(ckpt_dir: str, iteration: int | None = None) -> torch.dtype:
     raise ValueError(f"{meta['path']} holds no model weights (no {prefix}embedding.word_embeddings.weight)")
 
 
-def load_model(ckpt_dir: str, *, iteration: int | None = None, params_dtype: torch.dtype | None = None):
+def load_model(ckpt_dir: str, *, iteration: int | None = None, params_dtype: torch.dtype | None = None,
+               transformer_impl: str | None = None):
     """Build the model described by a checkpoint and load its weights (for inference tools).
 
-    Requires :func:`megatron_jf.parallel.initialize` first (any TP/PP layout).
+    Requires :func:`megatron_jf.parallel.initialize` first (any TP/PP layout). ``transformer_impl`` (the layer
+    spec; default :func:`~megatron_jf.models.gpt.inference_transformer_impl`: the local spec that the lean
+    inference forward and its CUDA-graph path run on, also where Transformer Engine is installed; a checkpoint
+    trained with the TE spec loads into it).
 
     Returns:
         ``(model in eval mode, ModelArgs, meta)``.
     """
-    from megatron_jf.models.gpt import build_model
+    from megatron_jf.models.gpt import build_model, inference_transformer_impl
 
     meta = read_meta(ckpt_dir, iteration)
     args = ModelArgs.from_dict(meta["model_args"])
-    model = build_model(args, params_dtype=params_dtype)
+    model = build_model(args, params_dtype=params_dtype, transformer_impl=transformer_impl or inference_transformer_impl())
     load_checkpoint(ckpt_dir, model, iteration=iteration, strict=False)
     return model.eval(), args, meta
 

@@ -151,3 +151,26 @@ def test_bad_impl_is_named(pairs):
     with pytest.raises(ValueError, match="unknown forward impl"):
         forward_logits(pairs["qwen2"][1], torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long),
                        impl="fast")
+
+
+def test_inference_models_use_the_spec_the_lean_forward_runs_on(mp1, monkeypatch):
+    """Inference tools build the local spec while the lean forward is on, so decoding (and its CUDA-graph path)
+    runs also where Transformer Engine is installed; a TE spec that cannot be built is a clear error."""
+    from megatron_jf import platform
+    from megatron_jf.models.gpt import inference_transformer_impl, layer_spec
+    from megatron_jf.models.hf_config import ModelArgs
+    from megatron_jf.testing import tiny_hf_model
+
+    args = ModelArgs.from_hf_dict(tiny_hf_model("qwen2", seed=0).config.to_dict())
+    monkeypatch.delenv("MEGATRON_JF_LEAN_FORWARD", raising=False)
+    assert inference_transformer_impl() == "local"
+    monkeypatch.setenv("MEGATRON_JF_LEAN_FORWARD", "0")
+    assert inference_transformer_impl() == "auto"
+    with pytest.raises(ValueError, match="unknown transformer impl"):
+        layer_spec(args, "te")
+    if not (platform.HAVE_TE and platform.HAVE_CUDA):
+        with pytest.raises(ValueError, match="needs Transformer Engine"):
+            layer_spec(args, "transformer_engine")
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    assert layer_spec(args, "local").submodules.self_attention.submodules.linear_qkv is ColumnParallelLinear

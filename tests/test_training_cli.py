@@ -63,3 +63,15 @@ def test_every_option_has_help_that_shows_its_default():
     assert seen <= names, seen - names
     text = p.format_help()
     assert "--tensor-model-parallel-size" in text and "(default: 1)" in text
+
+
+def test_transformer_impl_flag():
+    """Megatron-LM's --transformer-impl picks the layer spec; asking for TE where it cannot run is refused by name."""
+    from megatron_jf import platform
+
+    base = BASE + ["--data", "d", "--train-steps", "2"]
+    assert _parse(base).transformer_impl == "auto"
+    assert _parse(base + ["--transformer-impl", "local"]).transformer_impl == "local"
+    if not (platform.HAVE_TE and platform.HAVE_CUDA):
+        with pytest.raises(ValueError, match="--transformer-impl transformer_engine needs Transformer Engine"):
+            _parse(base + ["--transformer-impl", "transformer_engine"])

@@ -523,21 +523,26 @@ class BatchSession:
         if pruned:
             seqs = [x[: r.n_main] for r, x in zip(rows, seqs)]  # pass 1: the main chains
         s = max(len(x) for x in seqs)
-        toks = torch.zeros(m, s, dtype=torch.long)
-        pos = torch.zeros(m, s, dtype=torch.long)
         tree = None
         if not pruned and any(r.cands for r in rows):
             tree = torch.ones(m, s, s, dtype=torch.bool).tril_()
-        for i, (r, seq) in enumerate(zip(rows, seqs)):
-            base = len(r.prompt) + len(r.out) - 1  # position of `last`
-            toks[i, : len(seq)] = torch.tensor(seq)
-            p = list(range(base, base + r.n_main))
-            if tree is not None and r.cands:
-                for c in r.cands:
-                    p += range(base + 1, base + 1 + len(c))
-                tree[i] = mr_verify_mod.tree_mask(r.n_main, [len(c) for c in r.cands], s)
-            pos[i, : len(p)] = torch.tensor(p)
-            pos[i, len(p):] = base + r.n_main  # padding: causal tail, never committed
+        if m == 1 and tree is None:  # one row, one causal chain: no padding (the common batch-1 step)
+            base = len(rows[0].prompt) + len(rows[0].out) - 1  # position of `last`
+            toks = torch.tensor(seqs)
+            pos = torch.arange(base, base + s).unsqueeze(0)
+        else:
+            toks = torch.zeros(m, s, dtype=torch.long)
+            pos = torch.zeros(m, s, dtype=torch.long)
+            for i, (r, seq) in enumerate(zip(rows, seqs)):
+                base = len(r.prompt) + len(r.out) - 1
+                toks[i, : len(seq)] = torch.tensor(seq)
+                p = list(range(base, base + r.n_main))
+                if tree is not None and r.cands:
+                    for c in r.cands:
+                        p += range(base + 1, base + 1 + len(c))
+                    tree[i] = mr_verify_mod.tree_mask(r.n_main, [len(c) for c in r.cands], s)
+                pos[i, : len(p)] = torch.tensor(p)
+                pos[i, len(p):] = base + r.n_main  # padding: causal tail, never committed
         logits = forward_logits(self.model, toks, pos, kv_cache=cache, new_mask=tree)
         keep = []
         for i, r in enumerate(rows):

@@ -61,13 +61,26 @@ class JFGPTModel(GPTModel):
         return (out[0], rope) + tuple(out[2:])
 
 
-def layer_spec(args: ModelArgs):
-    """The transformer-layer ``ModuleSpec``: megatron's local spec with RMSNorm and our core attention.
+TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 
-    The same spec is used on GPU; Transformer Engine, when present, is used for fused
-    projections only through megatron's TE spec (selected in :func:`build_model`).
+
+def layer_spec(args: ModelArgs, transformer_impl: str = "auto"):
+    """The transformer-layer ``ModuleSpec``: megatron's local spec with RMSNorm, or megatron's Transformer Engine
+    spec (fused norm + projections), with our core attention in either.
+
+    Args:
+        transformer_impl: ``local``, ``transformer_engine`` or ``auto`` (TE when it and CUDA are present), as
+            Megatron-LM's ``--transformer-impl``.
+
+    Raises:
+        ValueError: an unknown impl, or ``transformer_engine`` without TE and CUDA.
     """
-    if platform.HAVE_TE and platform.HAVE_CUDA:
+    if transformer_impl not in TRANSFORMER_IMPLS:
+        raise ValueError(f"unknown transformer impl {transformer_impl!r}; choose one of {', '.join(TRANSFORMER_IMPLS)}")
+    have_te = platform.HAVE_TE and platform.HAVE_CUDA
+    if transformer_impl == "transformer_engine" and not have_te:
+        raise ValueError("transformer_impl='transformer_engine' needs Transformer Engine and a CUDA device")
+    if have_te and transformer_impl != "local":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         spec = get_gpt_layer_with_transformer_engine_spec()
@@ -76,6 +89,16 @@ def layer_spec(args: ModelArgs):
     spec.submodules.self_attention.submodules.core_attention = JFCoreAttention
     spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.arbitrary
     return spec
+
+
+def inference_transformer_impl() -> str:
+    """The layer spec inference tools build (:func:`megatron_jf.checkpointing.load_model`): ``local`` while the lean
+    inference forward is on (``MEGATRON_JF_LEAN_FORWARD``, default on), since decoding runs that forward -- and on
+    CUDA its static-shape / CUDA-graph path -- over the local spec's parameters, also where Transformer Engine is
+    installed (checkpoints load across specs); ``auto`` when it is off (megatron's forward, TE where present)."""
+    from megatron_jf.inference.lean_forward import enabled_by_env
+
+    return "local" if enabled_by_env() else "auto"
 
 
 def transformer_config(args: ModelArgs, *, params_dtype: torch.dtype | None = None,
@@ -128,24 +151,26 @@ def transformer_config(args: ModelArgs, *, params_dtype: torch.dtype | None = No
 
 
 def build_model(args: ModelArgs, *, params_dtype: torch.dtype | None = None, sequence_parallel: bool = False,
-                device: torch.device | None = None, recompute: dict | None = None) -> JFGPTModel:
+                device: torch.device | None = None, recompute: dict | None = None,
+                transformer_impl: str = "auto") -> JFGPTModel:
     """Build this rank's part of the model (megatron-core model provider).
 
     Requires :func:`megatron_jf.parallel.initialize` to have run. The vocabulary is padded to a
-    multiple of the TP size; :func:`forward_logits` slices the padding off.
+    multiple of the TP size; :func:`forward_logits` slices the padding off. ``transformer_impl``: the layer
+    spec (see :func:`layer_spec`).
 
     Returns:
         :class:`JFGPTModel` on ``device`` (default: the platform default) in ``params_dtype``.
 
     Raises:
-        ValueError: the architecture does not split over the TP/PP sizes.
+        ValueError: the architecture does not split over the TP/PP sizes, or a bad ``transformer_impl``.
     """
     tp = ps.get_tensor_model_parallel_world_size()
     config = transformer_config(args, params_dtype=params_dtype, sequence_parallel=sequence_parallel,
                                 recompute=recompute)
     model = JFGPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(args),
+        transformer_layer_spec=layer_spec(args, transformer_impl),
         vocab_size=args.padded_vocab_size(tp, divisible_by=1),
         max_sequence_length=args.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),

@@ -64,6 +64,9 @@ class TrainConfig:
     """torch intra-op threads per process (CPU); None keeps torch's default."""
     seed: int = 1234
     """Seed of weight init (from scratch), data order and the random noise schedule."""
+    transformer_impl: str = "auto"
+    """Layer spec (Megatron-LM's ``--transformer-impl``): ``transformer_engine`` (fused norm + projections; needs TE
+    and CUDA), ``local`` (megatron-core's own modules) or ``auto`` (TE where present)."""
 
     # --- activation recomputation (Megatron-LM's flags and meaning; megatron-core TransformerConfig fields)
     recompute_granularity: str | None = None
@@ -198,6 +201,11 @@ class TrainConfig:
 
         need(self.tp >= 1 and self.pp >= 1, f"--tp and --pp must be >= 1, got {self.tp}, {self.pp}")
         need(self.objective in OBJECTIVES, f"--objective must be one of {OBJECTIVES}")
+        if self.transformer_impl == "transformer_engine":
+            from megatron_jf import platform
+
+            need(platform.HAVE_TE and platform.HAVE_CUDA,
+                 "--transformer-impl transformer_engine needs Transformer Engine and a CUDA device")
         need(bool(self.data), "--data is required")
         need(self.train_steps >= 1, f"--train-steps must be >= 1, got {self.train_steps}")
         need(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
@@ -369,6 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads per process (CPU; default: torch's own choice)")
     g.add_argument("--seed", type=int, default=d.seed, help="seed for init, data order and noise")
+    g.add_argument("--transformer-impl", choices=("auto", "local", "transformer_engine"), default=d.transformer_impl,
+                   help="layer spec: transformer_engine (needs TE + CUDA), local, or auto (TE where present)")
 
     g = p.add_argument_group("activation recomputation (Megatron-LM flags)")
     g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
