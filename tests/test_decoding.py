@@ -253,3 +253,17 @@ def test_draft_init_does_not_depend_on_batch_position(models):
     a = eng.generate(p, cfg, max_new_tokens=20, record_trajectory=True)
     b = eng.generate(p[::-1], cfg, max_new_tokens=20, record_trajectory=True)[::-1]
     assert [x.trajectory for x in a] == [x.trajectory for x in b]
+
+
+def test_argmax_list_equals_torch_argmax_with_ties_and_strides():
+    """The engine's greedy tokens (numpy argmax on CPU float32) equal torch.argmax, first index on ties, also on
+    strided rows (logits sliced to the unpadded vocabulary) and other dtypes."""
+    from megatron_jf.inference.sampling import argmax_list
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, (3, 17, 130), generator=g).float()  # many ties
+    x[1, 2] = float("nan")
+    sliced = x[:, :, :97]
+    for t in (x, sliced, sliced[0], sliced[0, :5], x.double(), x.bfloat16()):
+        assert argmax_list(t) == t.argmax(-1).tolist()
+    assert argmax_list(sliced[0, 3]) == int(sliced[0, 3].argmax())

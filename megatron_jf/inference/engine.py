@@ -53,7 +53,7 @@ import torch
 
 from megatron_jf.inference import mr_verify as mr_verify_mod
 from megatron_jf.inference.ngram_pool import NGramPool
-from megatron_jf.inference.sampling import SamplingParams, verify
+from megatron_jf.inference.sampling import SamplingParams, argmax_list, verify
 from megatron_jf.models.gpt import forward_logits, new_kv_cache, unwrap
 
 DECODERS = ("ar", "jacobi", "running-window", "mr")
@@ -547,7 +547,7 @@ class BatchSession:
         keep = []
         for i, r in enumerate(rows):
             main = logits[i, : r.n_main]  # row j predicts draft[j]; the last row predicts past the draft
-            g = main.argmax(-1).tolist()
+            g = argmax_list(main)
             k_main = _matches(r.draft, g)
             best = None
             if r.cands and not pruned:

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_jf.inference.sampling import argmax_list
+
 MODES = ("auto", "tree", "pruned")
 ENV = "MEGATRON_JF_MR_VERIFY"
 
@@ -105,7 +107,7 @@ def best_in_tree(main_logits: torch.Tensor, g: list[int], k_main: int, logits: t
     if not cands:
         return None
     total = sum(len(c) for c in cands)
-    gc = logits[n_main:n_main + total].argmax(-1).tolist()
+    gc = argmax_list(logits[n_main:n_main + total])
     best, best_k, off = None, k_main, 0
     for c in cands:
         k = 0
@@ -193,7 +195,7 @@ def pruned_second_pass(model, cache, *, base: int, block: int, main_logits: torc
     pos = torch.tensor([[base + 1 + k + d for d in depths]])
     lg2 = forward_logits(model, torch.tensor([toks]), pos, kv_cache=cache, new_mask=mask,
                          slots=torch.arange(block, region), region=region, impl=impl)[0]
-    g2 = lg2.argmax(-1).tolist()
+    g2 = argmax_list(lg2)
     best, best_k = None, k_main
     for c, path in zip(live, paths):
         m = k + 1  # c[:k] is the accepted draft prefix, c[k] == g[k]

@@ -67,6 +67,19 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs
 
 
+def argmax_list(logits: torch.Tensor) -> list[int]:
+    """Greedy tokens: the argmax over the last dim of float logits ``[..., V]`` as Python ints (nested lists for
+    more than one leading dim), the first maximal index on ties as ``torch.argmax``.
+
+    On CPU float32 this is numpy's vectorised argmax: torch's CPU argmax is 10-20x slower (measured 1.8 ms against
+    0.09 ms for 17 rows of a 49k vocabulary), which made it the largest part of the engine's per-step time outside
+    the forward. Elsewhere (CUDA, bf16) ``torch.argmax``.
+    """
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.detach().numpy().argmax(-1).tolist()
+    return logits.argmax(-1).tolist()
+
+
 def verify(draft: list[int], logits: torch.Tensor, params: SamplingParams,
            generator: torch.Generator | None) -> list[int]:
     """Verify ``draft`` against the logits of the positions that predict it; return the emitted tokens.
@@ -84,7 +97,7 @@ def verify(draft: list[int], logits: torch.Tensor, params: SamplingParams,
     """
     m = len(draft)
     if params.greedy:
-        g = logits.argmax(-1).tolist()
+        g = argmax_list(logits)
         k = 0
         while k < m and draft[k] == g[k]:
             k += 1
