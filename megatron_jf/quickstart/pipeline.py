@@ -107,7 +107,7 @@ PRESETS = {
     # one pass over them (128 steps x 2), round 2 regenerates 96 of them at n=32 with the round-1 model (48 steps
     # x 2); lr 1e-4 (2e-5 moved nothing in 160 samples) with the AR term (weight 1) holding quality. The report
     # evaluates base and round 2 on 12 HumanEval problems (speed rows) and the learning curve (base + 2
-    # checkpoints per round) on 40 (greedy pass@1) / the same 12 (Jacobi TPF at n=32). Projected ~108 min idle.
+    # checkpoints per round) on 40 (greedy pass@1) / the same 12 (Jacobi TPF at n=32). Measured 1 h 57 min on a fresh clone (docs/quickstart_real/).
     "real": Preset("real", real=True, repetition_filter=True, prompt_source="functions", max_prompt_tokens=320,
                    n_train_prompts=256, n_eval_prompts=12, n_pass_prompts=40, response_tokens=192,
                    traj_response_tokens=128, traj2_prompts=96, collect_batch=32, jf1_steps=128, jf2_steps=48,
@@ -372,7 +372,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--smoke", action="store_true", help="tiny sizes, a couple of minutes (CI runs it)")
-    g.add_argument("--real", action="store_true", help="model B: SmolLM2-135M-Instruct (~1 h 50 min on 2 idle cores)")
+    g.add_argument("--real", action="store_true", help="model B: SmolLM2-135M-Instruct (~2 h on 2 idle cores)")
     ap.add_argument("--out", default=None, help="work directory (default runs/quickstart-<preset>)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads per process (default 2)")
     ap.add_argument("--until", default=None, choices=STAGES, help="stop after this stage")
@@ -389,9 +389,9 @@ def main(argv=None):
         shutil.rmtree(out)
     if preset.real:
         print("model B (SmolLM2-135M-Instruct, 30 layers, vocab 49k; 256 + 96 training samples, 12 HumanEval "
-              "problems for speed and 40 for pass@1) on 2 CPU cores: about 1 h 50 min on an idle machine, projected "
-              "from measured rates (trajectories n=16 20 min and n=32 14 min, training 19 + 7 min, report with the "
-              "learning curve 45 min; docs/quickstart_real_costs.md). A loaded machine takes proportionally longer.",
+              "problems for speed and 40 for pass@1) on 2 CPU cores: about 1 h 57 min on an idle machine, as measured "
+              "on a fresh clone (trajectories n=16 24 min and n=32 14 min, training 24 + 9 min, report with the "
+              "learning curve 43 min; docs/quickstart_real/). A loaded machine takes proportionally longer.",
               flush=True)
     elif preset.name == "default":
         print("default preset: model A end to end, about 27 minutes on an idle 2-core CPU.", flush=True)
