@@ -101,8 +101,12 @@ def best_in_tree(main_logits: torch.Tensor, g: list[int], k_main: int, logits: t
 
     Args:
         main_logits: ``[n_main, V]`` rows of ``[last] + draft``; ``g`` their argmax; ``k_main`` the draft's match.
-        logits: ``[s, V]`` the whole row (candidates at ``n_main``, back to back).
+        logits: float ``[s, V]`` the whole row (candidates at ``n_main``, back to back).
         cands: the candidates in layout order.
+
+    Returns:
+        the candidate with the longest greedy match if it beats ``k_main`` (first such on ties), its logits and
+        slots in this forward's block; else None. Paper Sec. 3.2 (rejection recycling: the best-matching draft wins).
     """
     if not cands:
         return None
@@ -179,6 +183,9 @@ def pruned_second_pass(model, cache, *, base: int, block: int, main_logits: torc
 
     Returns:
         ``(winner, tokens forwarded)``; the winner always beats the draft (live candidates match >= k_main + 1).
+
+    Raises:
+        ValueError: the trie does not fit in the cache after the block (``KVCache.begin``: overflow).
     """
     from megatron_jf.models.gpt import forward_logits
 
