@@ -2,6 +2,7 @@
 # Progressive distillation (paper Sec. 4.1): round 1 trajectories at n=16 from the base model, train with
 # w=16; regenerate trajectories with the round-1 model at n=32; train round 2 with w=8 -- on one machine
 # (NPROC processes). examples/train_jf_qwen7b_h200.sh is the same recipe for H200 nodes with every flag spelled out.
+# Runs $PYTHON if set, else the checkout's .venv/bin/python (set up by bash scripts/bootstrap.sh).
 # Every stage resumes: trajectory collection skips prompts already in complete shards, training resumes from
 # the latest checkpoint in its --save directory, and a finished stage (its .done marker) is skipped.
 #
@@ -23,10 +24,12 @@ if (( GBS % (DP * MBS) )); then  # megatron: the global batch is a multiple of D
   GBS=$NEW
 fi
 cd "$(dirname "$0")/.."
-mkdir -p "$WORK"
+source scripts/jf_env.sh
 DRY_RUN=${DRY_RUN:-0}  # 1: print each stage's command instead of running it
+if [ "$DRY_RUN" = 1 ]; then PY=$(jf_python "$PWD" 2>/dev/null) || PY=python; else PY=$(jf_python "$PWD"); fi
+mkdir -p "$WORK"
 launch() {
-  local cmd=(python "$@"); [ "$NPROC" -gt 1 ] && cmd=(torchrun --nproc_per_node "$NPROC" "$@")
+  local cmd=("$PY" "$@"); [ "$NPROC" -gt 1 ] && cmd=("$PY" -m torch.distributed.run --nproc_per_node "$NPROC" "$@")
   if [ "$DRY_RUN" = 1 ]; then printf '+'; printf ' %q' "${cmd[@]}"; printf '\n'; else "${cmd[@]}"; fi
 }
 stage() {  # stage NAME command...

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Serve a megatron-jf checkpoint: examples/run_text_server.sh CKPT [TP=1] [PORT=5000] [extra server args...]
+# Runs $PYTHON if set, else the checkout's .venv/bin/python (set up by bash scripts/bootstrap.sh).
 # TP>1 launches torchrun with TP ranks (rank 0 serves HTTP, the others follow).
 # TP and PORT are optional positionals: `run_text_server.sh CKPT --decoder mr` serves on 5000 with TP 1.
 set -euo pipefail
@@ -20,7 +21,8 @@ if [ $# -gt 0 ] && [[ $1 != -* ]]; then
   fi
 fi
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-PY=${PYTHON:-python}
+source "$HERE/scripts/jf_env.sh"
+PY=$(jf_python "$HERE")  # $PYTHON, else the checkout's .venv (bash scripts/bootstrap.sh)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 if [ "$TP" -gt 1 ]; then
   exec "$PY" -m torch.distributed.run --nproc_per_node "$TP" --master_port "${MASTER_PORT:-29511}" \

@@ -18,3 +18,18 @@ case "${JF_ENV:-primary}" in
     exit 2
     ;;
 esac
+
+# jf_python ROOT: print the interpreter the example scripts run -- $PYTHON when set (a container's python, a
+# conda env), else the checkout's $JF_VENV/bin/python (what scripts/bootstrap.sh builds). Neither: one line on
+# stderr saying to run the set-up first, and status 1.
+jf_python() {
+  if [ -n "${PYTHON:-}" ]; then
+    printf '%s\n' "$PYTHON"
+  elif [ -x "$1/$JF_VENV/bin/python" ]; then
+    printf '%s\n' "$1/$JF_VENV/bin/python"
+  else
+    echo "error: no Python environment: $1/$JF_VENV is missing; run the set-up first (bash scripts/bootstrap.sh)," \
+         "or set PYTHON to an interpreter with megatron-jf's requirements" >&2
+    return 1
+  fi
+}

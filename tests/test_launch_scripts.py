@@ -2,6 +2,7 @@
 parses with the real parsers, resumable stages are skipped once done, and a forced batch change is announced."""
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -100,3 +101,69 @@ def test_progressive_script_defaults_to_the_paper(tmp_path, nproc, gbs):
         16, 16, 16, 32, 32, 8)
     assert t1.max_new_tokens == 2048 and r1.lr == 1e-6 and r2.load == r1.save and t2.load == r1.save
     assert r1.global_batch_size == gbs and (("note: global batch 4 -> 6" in out) == (gbs == 6))
+
+
+# ---- which Python the example scripts run (issue 25: a fresh clone has no `python` with torch on PATH)
+
+FAKE_PY = '#!/bin/sh\nprintf "%s\\n" "$0 $*" >> "$(dirname "$0")/../../ran.txt"\n'
+
+
+def _checkout(tmp_path, script, *, venv):
+    """A copy of ``script`` and scripts/jf_env.sh in a fresh directory; with ``venv`` a stand-in
+    ``.venv/bin/python`` that records how it was called (in ``ran.txt``) and exits 0."""
+    root = tmp_path / "clone"
+    (root / "examples").mkdir(parents=True)
+    (root / "scripts").mkdir()
+    shutil.copy2(os.path.join(REPO, "examples", script), root / "examples" / script)
+    shutil.copy2(os.path.join(REPO, "scripts", "jf_env.sh"), root / "scripts" / "jf_env.sh")
+    if venv:
+        (root / ".venv" / "bin").mkdir(parents=True)
+        py = root / ".venv" / "bin" / "python"
+        py.write_text(FAKE_PY)
+        py.chmod(0o755)
+    return root
+
+
+def _run_script(root, script, args, **env):
+    e = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "DRY_RUN")}
+    e.update(env)
+    return subprocess.run(["bash", str(root / "examples" / script), *args], env=e, capture_output=True, text=True,
+                          timeout=60, cwd=str(root))
+
+
+@pytest.mark.parametrize("script,args", [("run_text_server.sh", ["ckpt", "1", "5077"]),
+                                         ("progressive_distillation.sh", ["base", "p.jsonl", "work"])])
+def test_examples_without_an_environment_say_to_run_the_setup(tmp_path, script, args):
+    root = _checkout(tmp_path, script, venv=False)
+    proc = _run_script(root, script, args)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "run the set-up first (bash scripts/bootstrap.sh)" in lines[0], proc.stderr
+    assert f"{root}/.venv is missing" in lines[0]
+
+
+def test_server_script_runs_the_checkouts_venv(tmp_path):
+    root = _checkout(tmp_path, "run_text_server.sh", venv=True)
+    proc = _run_script(root, "run_text_server.sh", ["runs/ck", "1", "5077", "--decoder", "ar"])
+    assert proc.returncode == 0, proc.stderr
+    assert (root / "ran.txt").read_text().splitlines() == [
+        f"{root}/.venv/bin/python {root}/tools/run_text_generation_server.py --load runs/ck --tp 1 --port 5077 "
+        "--decoder ar"]
+    # PYTHON still wins (a container's interpreter)
+    (root / "ran.txt").unlink()
+    other = root / ".venv" / "bin" / "other"
+    shutil.copy2(root / ".venv" / "bin" / "python", other)
+    proc = _run_script(root, "run_text_server.sh", ["ck", "2"], PYTHON=str(other))
+    assert proc.returncode == 0, proc.stderr
+    assert (root / "ran.txt").read_text().split()[:4] == [str(other), "-m", "torch.distributed.run",
+                                                         "--nproc_per_node"]
+
+
+def test_progressive_script_runs_the_checkouts_venv(tmp_path):
+    root = _checkout(tmp_path, "progressive_distillation.sh", venv=True)
+    proc = _run_script(root, "progressive_distillation.sh", ["base", "p.jsonl", "work", "2"])
+    assert proc.returncode == 0, proc.stderr
+    ran = (root / "ran.txt").read_text().splitlines()
+    assert len(ran) == 4 and all(r.startswith(f"{root}/.venv/bin/python -m torch.distributed.run --nproc_per_node 2 ")
+                                 for r in ran)
+    assert [r.split()[5] for r in ran] == ["tools/generate_trajectories.py", "pretrain_jf.py"] * 2
