@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_jf.fileio import atomic_write_text
+from megatron_jf.load_errors import CheckpointFileError
 from megatron_jf.models.hf_config import ModelArgs
 
 META = "jf_meta.json"
@@ -78,20 +79,29 @@ def _read_pointer(ckpt_dir: str) -> tuple[int, str] | None:
     path = os.path.join(ckpt_dir, LATEST)
     if not os.path.isfile(path):
         return None
-    text = open(path).read().strip()
+    try:
+        text = open(path, encoding="utf-8").read().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointFileError(f"{path}: unreadable checkpoint pointer ({type(e).__name__}: {e})") from None
     if text == RELEASE:
         it, d = 0, os.path.join(ckpt_dir, RELEASE)
     elif text.isdigit():
         it, d = int(text), iter_dir(ckpt_dir, int(text))
     else:
-        raise ValueError(f"corrupt checkpoint pointer {path}: {text[:40]!r} (expected an iteration number or "
-                         f"'{RELEASE}')")
+        raise CheckpointFileError(f"{path}: corrupt checkpoint pointer {text[:40]!r} (expected an iteration number "
+                                  f"or '{RELEASE}')")
     if not os.path.isdir(d):
-        raise ValueError(f"{path} names {text!r} but {d} is missing")
+        raise CheckpointFileError(f"{path} names {text!r} but {d} is missing (complete iterations there: "
+                                  f"{_complete_iterations(ckpt_dir) or 'none'})")
     if not _is_complete(d):
-        raise ValueError(f"{path} names {text!r} but {d} is incomplete (neither {META} nor "
-                         f"a finished dist_checkpointing save: metadata.json + .metadata)")
+        raise CheckpointFileError(f"{path} names {text!r} but {d} is incomplete (neither {META} nor "
+                                  f"a finished dist_checkpointing save: metadata.json + .metadata)")
     return it, d
+
+
+def _complete_iterations(ckpt_dir: str) -> list[int]:
+    return sorted(int(n[5:]) for n in os.listdir(ckpt_dir)
+                  if n.startswith("iter_") and n[5:].isdigit() and _is_complete(os.path.join(ckpt_dir, n)))
 
 
 def latest_iteration(ckpt_dir: str) -> int | None:
@@ -123,9 +133,8 @@ def checkpoint_path(ckpt_dir: str, iteration: int | None = None) -> str:
         return d
     if got is not None and got[0] == iteration:
         return got[1]
-    have = sorted(int(n[5:]) for n in os.listdir(ckpt_dir)
-                  if n.startswith("iter_") and n[5:].isdigit() and _is_complete(os.path.join(ckpt_dir, n)))
-    raise FileNotFoundError(f"{ckpt_dir} has no iteration {iteration}; available: {have or 'none'}")
+    raise FileNotFoundError(f"{ckpt_dir} has no iteration {iteration}; available: "
+                            f"{_complete_iterations(ckpt_dir) or 'none'}")
 
 
 def read_meta(ckpt_dir: str, iteration: int | None = None) -> dict:
@@ -135,18 +144,23 @@ def read_meta(ckpt_dir: str, iteration: int | None = None) -> dict:
 
     Raises:
         FileNotFoundError: no checkpoint in ``ckpt_dir`` or no such iteration.
+        CheckpointFileError: a missing, truncated or foreign checkpoint file (:func:`verify_checkpoint_files`),
+            naming it; a corrupt pointer file.
         ValueError: unknown format, corrupt metadata, or Megatron-LM arguments of an unsupported model.
     """
     d = checkpoint_path(ckpt_dir, iteration)
+    verify_checkpoint_files(d)
     path = os.path.join(d, META)
     if not os.path.isfile(path):
         return _meta_from_megatron_lm(d)
     try:
         meta = json.load(open(path))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"corrupt checkpoint metadata {path}: {e}") from None
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: unknown checkpoint format {meta.get('format')!r}, expected {FORMAT!r}")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointFileError(f"{path}: corrupt checkpoint metadata ({type(e).__name__}: {e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointFileError(f"{path}: unknown checkpoint format "
+                                  f"{meta.get('format') if isinstance(meta, dict) else type(meta).__name__!r}, "
+                                  f"expected {FORMAT!r}")
     meta["path"] = d
     meta.setdefault("model_key_prefix", OLD_MODEL_KEY_PREFIX)
     return meta
@@ -233,12 +247,13 @@ def model_args_from_megatron_lm(a, *, eos_token_ids: list[int] | None = None) ->
 
 def _meta_from_megatron_lm(d: str) -> dict:
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         common = dist_checkpointing.load_common_state_dict(d)
-    except Exception as e:  # CheckpointingException, unpickling errors
-        raise ValueError(f"{d} has no {META} and its common state cannot be read ({e}); not a checkpoint of "
-                         "this project or of Megatron-LM") from None
+    except (Exception, CheckpointException) as e:  # CheckpointingException, unpickling errors, DCP (mcore >= 0.17)
+        raise CheckpointFileError(f"{d} has no {META} and its common state cannot be read ({type(e).__name__}: "
+                                  f"{_first_line(e)}); not a checkpoint of this project or of Megatron-LM") from None
     a = common.get("args") if isinstance(common, dict) else None
     if a is None:
         raise ValueError(f"{d} has no {META} and its common state carries no 'args' (the model arguments "
@@ -261,6 +276,113 @@ def _meta_from_megatron_lm(d: str) -> dict:
         "checkpoint_version": common.get("checkpoint_version", 0), "common": {}, "path": d,
         "model_key_prefix": MODEL_KEY_PREFIX,
     }
+
+
+# ---------------------------------------------------------------------------------- file checks
+#: dist_checkpointing's format file, torch DCP's index and (megatron-core <= 0.16) the common state.
+DIST_CONFIG, DCP_INDEX, COMMON_PT = "metadata.json", ".metadata", "common.pt"
+
+
+def verify_checkpoint_files(d: str) -> None:
+    """Check the files of one saved iteration ``d`` (``iter_*`` or ``release``) before megatron-core reads them,
+    so a damaged checkpoint stops every tool with one line naming the file instead of a traceback from inside
+    megatron-core or torch DCP.
+
+    Checks, cheapest first (nothing but the small index is read):
+
+    * ``metadata.json`` exists and is dist_checkpointing's format file (JSON with ``sharded_backend``);
+    * ``.metadata`` exists and is torch DCP's index (a pickled ``Metadata``);
+    * every file the index points into exists and holds at least the bytes indexed in it (a truncated ``.distcp``);
+    * ``common.pt`` exists and is a ``torch.save`` archive, unless the index holds the common state
+      (``common_state``: megatron-core >= 0.17 writes it inside the DCP files and no ``common.pt``).
+
+    Raises:
+        CheckpointFileError: ``"<file>: <what is wrong>"``.
+    """
+    import zipfile
+
+    cfg_path = os.path.join(d, DIST_CONFIG)
+    if not os.path.isfile(cfg_path):
+        raise CheckpointFileError(f"{cfg_path}: missing (dist_checkpointing's format file; {d} is not a complete "
+                                  "megatron checkpoint)")
+    try:
+        cfg = json.load(open(cfg_path, encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointFileError(f"{cfg_path}: not dist_checkpointing's format file ({type(e).__name__}: {e})") \
+            from None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("sharded_backend"), str):
+        raise CheckpointFileError(f"{cfg_path}: not dist_checkpointing's format file (no 'sharded_backend')")
+    index = _read_dcp_index(d)
+    need: dict[str, int] = {}
+    for info in index.storage_data.values():
+        rel = getattr(info, "relative_path", None)
+        if rel is not None:
+            need[rel] = max(need.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, n in sorted(need.items()):
+        path = os.path.join(d, rel)
+        if not os.path.isfile(path):
+            raise CheckpointFileError(f"{path}: missing (the checkpoint's index {DCP_INDEX} has weights in it)")
+        size = os.path.getsize(path)
+        if size < n:
+            raise CheckpointFileError(f"{path}: truncated: {size} bytes, the checkpoint's index {DCP_INDEX} has "
+                                      f"data up to byte {n}")
+    if not any(k == "common_state" or str(k).startswith("common_state/") for k in index.state_dict_metadata):
+        path = os.path.join(d, COMMON_PT)
+        if not os.path.isfile(path):
+            raise CheckpointFileError(f"{path}: missing (the common state: Megatron-LM arguments, iteration; "
+                                      "megatron-core <= 0.16 keeps it there)")
+        if not zipfile.is_zipfile(path):
+            raise CheckpointFileError(f"{path}: not a torch.save archive ({os.path.getsize(path)} bytes)")
+
+
+def _read_dcp_index(d: str):
+    """torch DCP's ``Metadata`` from ``d/.metadata``.
+
+    Raises:
+        CheckpointFileError: missing, unreadable, or not DCP's index.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    path = os.path.join(d, DCP_INDEX)
+    if not os.path.isfile(path):
+        raise CheckpointFileError(f"{path}: missing (torch distributed checkpoint index; the save did not finish)")
+    try:
+        index = FileSystemReader(d).read_metadata()
+    except Exception as e:  # noqa: BLE001 -- unpickling garbage raises anything (EOFError, UnpicklingError, ...)
+        raise CheckpointFileError(f"{path}: not a torch distributed checkpoint index ({type(e).__name__}: "
+                                  f"{_first_line(e)})") from None
+    if not isinstance(index, Metadata):
+        raise CheckpointFileError(f"{path}: not a torch distributed checkpoint index (holds a "
+                                  f"{type(index).__name__})")
+    return index
+
+
+def _first_line(e: BaseException, limit: int = 240) -> str:
+    """The first line of ``str(e)``, cut to ``limit`` characters (torch's messages run to paragraphs)."""
+    text = str(e).strip()
+    text = text.splitlines()[0] if text else type(e).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _load_sharded(state: dict, path: str) -> dict:
+    """``dist_checkpointing.load(state, path)``; a failure inside megatron-core or torch DCP (a file that passed
+    :func:`verify_checkpoint_files` but cannot be decoded, keys the checkpoint lacks) becomes one line.
+
+    Raises:
+        CheckpointFileError: ``"<path>: cannot load ... (<cause>)"``, the first failing rank's exception.
+    """
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return dist_checkpointing.load(state, path)
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        cause = e
+        if isinstance(e, CheckpointException) and e.failures:
+            cause = next(iter(e.failures.values()))[0]
+        raise CheckpointFileError(f"{path}: cannot load the distributed checkpoint ({type(cause).__name__}: "
+                                  f"{_first_line(cause)})") from e
 
 
 # ---------------------------------------------------------------------------------- save / load
@@ -409,10 +531,10 @@ def load_checkpoint(ckpt_dir: str, model, *, iteration: int | None = None,
 
     Raises:
         FileNotFoundError: no checkpoint there.
+        CheckpointFileError: a checkpoint file is missing, truncated or foreign, or megatron-core cannot read the
+            state (one line naming the file or directory and the cause).
         ValueError: the checkpoint's architecture differs from the model's (names the first field).
     """
-    from megatron.core import dist_checkpointing
-
     from megatron_jf.models.gpt import unwrap
 
     m = unwrap(model)
@@ -426,7 +548,7 @@ def load_checkpoint(ckpt_dir: str, model, *, iteration: int | None = None,
     prefix = meta["model_key_prefix"]
     state = {"model": m.sharded_state_dict(prefix=prefix)}
     state.update(sharded_extra or {})
-    loaded = dist_checkpointing.load(state, meta["path"])
+    loaded = _load_sharded(state, meta["path"])
     m.load_state_dict({k[len(prefix):]: v for k, v in loaded["model"].items()}, strict=strict)
     return {"meta": meta, "extra": {k: v for k, v in loaded.items() if k != "model"}}
 

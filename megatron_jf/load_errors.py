@@ -1,9 +1,12 @@
-"""One message for one mistake: a Hugging Face model directory passed where a megatron checkpoint belongs.
+"""One message for one mistake with ``--load``: a Hugging Face model directory passed where a megatron checkpoint
+belongs, a directory that does not exist, or a checkpoint file that is missing, truncated or not what its name says.
 
 Every tool that takes ``--load`` (``tools/generate.py``, ``tools/evaluate.py``, ``tools/generate_trajectories.py``,
 ``tools/search_inference_config.py``, ``tools/run_text_generation_server.py``, ``tools/convert_hf.py mcore-to-hf``,
-``pretrain_jf.py``) calls :func:`reject_hf_dir` on it before any other work, so the same mistake always gets the
-same message with the command that fixes it.
+``tools/visualize_trajectory.py``, ``pretrain_jf.py``) calls :func:`reject_hf_dir` on it before any other work, so
+the same mistake always gets the same message with the command that fixes it. Damaged checkpoint files raise
+:class:`CheckpointFileError` (from :func:`megatron_jf.checkpointing.verify_checkpoint_files`), one line naming the
+file. This module imports nothing heavy: tools call it before torch is imported.
 """
 
 from __future__ import annotations
@@ -23,6 +26,15 @@ class HFDirectoryError(FileNotFoundError, ValueError):
 
     A ``FileNotFoundError`` (no checkpoint was found there) and a ``ValueError`` (bad input), so every tool's
     existing bad-input handler prints it as a one-line error.
+    """
+
+
+class CheckpointFileError(FileNotFoundError, ValueError):
+    """A checkpoint file is missing, truncated or foreign (not the format its name says); the message is one line
+    that starts with the file's path and says what is wrong, like the shard errors of :mod:`megatron_jf.data.shards`.
+
+    A ``FileNotFoundError`` and a ``ValueError``, so every tool's existing bad-input handler prints it as a one-line
+    error.
     """
 
 

@@ -133,7 +133,11 @@ def main(argv=None) -> int:
         print(f"error: {args.load} has no tokenizer/ directory; pass --tokenizer", file=sys.stderr)
         return 2
     tokenizer = load_tokenizer(tok_path)
-    model, margs, _ = load_model(args.load)
+    try:
+        model, margs, _ = load_model(args.load)
+    except (ValueError, FileNotFoundError) as e:  # a damaged checkpoint names its file (CheckpointFileError)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     stop_ids = stop_token_ids(tokenizer, margs, args.load)
     ctx = margs.max_position_embeddings
     if args.max_model_len is not None:
