@@ -1,6 +1,7 @@
 """Request limits and the error contract (issue 15): every bad request gets a clear 4xx in OpenAI's
 ``{"error": {...}}`` shape naming the problem, and the server answers correctly right after each."""
 import json
+import os
 
 import pytest
 
@@ -157,3 +158,138 @@ def test_encode_bounded_refuses_long_prompt_from_a_prefix(srv):
     with pytest.raises(RequestError, match="context window is 256"):
         encode_bounded(Words(), "abcdefgh " * 100_000, lim, "prompt")
     assert max(calls) <= 4 * 4 * MAX_CTX
+
+
+# ---- oversized bodies are answered, not reset (issue 25): the 413 reaches a client that is still sending, even one
+# that asks the server to close after the answer (urllib sends "Connection: close"), and the server reads the excess
+# in chunks and drops it (its RSS stays flat)
+
+
+def _urllib_post(url, body, headers=None):
+    """``(status, JSON body)`` of a POST with urllib (``Connection: close``); ``body``: bytes or an iterable of
+    chunks (sent as they come: with a Content-Length header, or chunked without one)."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=body, method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _zeros(total, chunk=1 << 16):
+    block = b"0" * chunk
+    for i in range(0, total, chunk):
+        yield block[: min(chunk, total - i)]
+
+
+class _PeakRSS:
+    """Peak resident set size of this process (the server runs in a thread of it) over a ``with`` block, in bytes
+    above the level at entry, sampled every 5 ms."""
+
+    def __enter__(self):
+        import threading
+
+        self.base = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self._rss())
+
+    @staticmethod
+    def _rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.grew = self.peak - self.base
+
+
+BIG = 64 * 10 ** 6  # a 64 MB body: ~1000x the test server's limit
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_oversized_body_gets_413_while_the_client_is_still_sending(srv, framing):
+    headers = {"Content-Length": str(BIG)} if framing == "content-length" else {}
+    with _PeakRSS() as rss:
+        status, body = _urllib_post(srv.url + "/v1/completions", _zeros(BIG), headers)
+    assert status == 413, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == 413 and err["param"] == "body"
+    assert "exceeds the limit of 65536 bytes (--max-request-bytes)" in err["message"]
+    assert rss.grew < 16 << 20, f"server RSS grew by {rss.grew / 2**20:.1f} MiB reading a 64 MB body"
+    _check_served_ok(srv, httpx.Client(base_url=srv.url, timeout=60))
+
+
+def _default_limits_server(srv):
+    """The test server's scheduler behind an app with the CLI's default limits (2 MiB bodies, 16 stop strings of
+    at most 512 characters)."""
+    import threading
+
+    import uvicorn
+
+    from megatron_jf.server.app import create_app
+    from tests.server_common import free_port, wait_health
+
+    from megatron_jf.inference.engine import DecodeConfig
+
+    app = create_app(srv.sched, srv.tok, model_name="tiny", metrics=srv.metrics, stop_ids=srv.stop_ids,
+                     default_config=DecodeConfig("mr", block_size=8))  # the scheduler's 64-token steps
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    wait_health(url, 30)
+    return server, url
+
+
+@pytest.mark.parametrize("limits", ["test", "default"])
+def test_huge_stop_strings_get_a_json_4xx(srv, limits):
+    """A 5 MB stop string and 16 stop strings of 100k characters: whichever limit they hit (the body size, or the
+    stop-string length under a limit the body fits) answers OpenAI-shaped JSON, never a closed connection."""
+    server, url = (None, srv.url) if limits == "test" else _default_limits_server(srv)
+    try:
+        cases = [({"prompt": "hi", "stop": "x" * 5_000_000}, 413, "body", "exceeds the limit of"),
+                 ({"prompt": "hi", "stop": ["y" * 100_000] * 16}, 413 if limits == "test" else 400,
+                  "body" if limits == "test" else "stop",
+                  "exceeds the limit of" if limits == "test" else "at most 512 characters, got 100000")]
+        for req, status, param, fragment in cases:
+            got, body = _urllib_post(url + "/v1/completions", json.dumps(req).encode())
+            assert got == status, (got, body)
+            assert body["error"]["code"] == status and body["error"]["param"] == param
+            assert fragment in body["error"]["message"], body
+        _check_served_ok(srv, httpx.Client(base_url=url, timeout=60))
+    finally:
+        if server is not None:
+            server.should_exit = True
+
+
+def test_body_beyond_the_discard_bound_is_answered_then_closed(srv):
+    """A declared body too large to read and drop (over ``DISCARD_MAX_BYTES``) is answered at once with
+    ``Connection: close``; nothing of it is read."""
+    import socket
+
+    from megatron_jf.server.app import DISCARD_MAX_BYTES
+
+    host, port = srv.url.rsplit("//", 1)[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as so:
+        so.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n" % (DISCARD_MAX_BYTES + 1))
+        data = b""
+        while True:
+            d = so.recv(1 << 16)
+            if not d:
+                break
+            data += d
+    head, _, payload = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413 ") and b"connection: close" in head.lower(), head
+    assert json.loads(payload)["error"]["code"] == 413

@@ -10,7 +10,8 @@ of tokens (text decoded incrementally, so multi-byte characters are never split;
 before a non-streamed answer) cancels its request: its row leaves the batch at the next engine step
 (see :mod:`megatron_jf.server.scheduler`); it is counted as status 499 and not as generated tokens.
 
-Errors: every status (400 invalid value, 404 unknown model or path, 405 method, 413 body too large,
+Errors: every status (400 invalid value, 404 unknown model or path, 405 method, 413 body too large (answered
+to a client that is still sending: the rest of the body is read and dropped, up to :data:`DISCARD_MAX_BYTES`),
 422 wrong type, 503 queue full / shutting down, 500) answers OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``. Limits are in
 :class:`~megatron_jf.server.protocol.Limits` plus ``max_request_bytes`` (the body). Parsing,
@@ -31,6 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from megatron_jf.inference.engine import DecodeConfig
 from megatron_jf.server import protocol
@@ -43,6 +45,21 @@ _ETYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_r
            413: "invalid_request_error", 422: "invalid_request_error", 503: "server_busy"}
 
 log = logging.getLogger("megatron_jf.server")
+
+
+#: An oversized body is read and dropped up to this many bytes (in at most ``DISCARD_MAX_S`` seconds, nginx's
+#: ``lingering_time``) so its 413 reaches the client; a larger one is answered at once with ``Connection: close``.
+DISCARD_MAX_BYTES = 128 << 20
+DISCARD_MAX_S = 30.0
+
+
+class BodyTooLarge(RequestError):
+    """413: the body is over ``max_request_bytes``; ``close``: the rest was not read (answer with
+    ``Connection: close``)."""
+
+    def __init__(self, message: str, close: bool):
+        super().__init__("body", message, status=413)
+        self.close = close
 
 
 class ClientDisconnected(Exception):
@@ -123,18 +140,41 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str = "megatron-j
         return _error(422, f"{loc or 'body'}: {errs[0].get('msg') if errs else 'invalid request'}", loc or "body")
 
     async def _body(request: Request) -> bytes:
+        """The request body; over ``max_request_bytes`` a 413 that reaches the client (:func:`_too_large`)."""
         n = request.headers.get("content-length")
+        stream = request.stream()
         if n is not None and n.isdigit() and int(n) > max_request_bytes:
-            raise RequestError("body", f"request body of {int(n)} bytes exceeds the limit of {max_request_bytes} "
-                                       f"bytes (--max-request-bytes)", status=413)
+            raise await _too_large(stream, f"request body of {int(n)} bytes", int(n))
         chunks, size = [], 0
-        async for c in request.stream():
+        async for c in stream:
             size += len(c)
             if size > max_request_bytes:
-                raise RequestError("body", f"request body exceeds the limit of {max_request_bytes} bytes "
-                                           f"(--max-request-bytes)", status=413)
+                raise await _too_large(stream, "request body", None, already=size)
             chunks.append(c)
         return b"".join(chunks)
+
+    async def _too_large(stream, what: str, declared: int | None, already: int = 0) -> BodyTooLarge:
+        """The 413 for an oversized body, after reading and dropping the rest of it (chunk by chunk, nothing kept)
+        so that the answer reaches a client that is still sending -- also one that asked for ``Connection: close``,
+        after which the server closes at once and the client's next write would be reset. At most
+        ``DISCARD_MAX_BYTES`` in ``DISCARD_MAX_S``; beyond that (or when the declared length is over it) the answer
+        says ``Connection: close`` and nothing more is read."""
+        drained = declared is None or declared <= DISCARD_MAX_BYTES
+        if drained:
+            async def drop():
+                total = already
+                async for c in stream:
+                    total += len(c)
+                    if total > DISCARD_MAX_BYTES:
+                        return False
+                return True
+
+            try:
+                drained = await asyncio.wait_for(drop(), DISCARD_MAX_S)
+            except (asyncio.TimeoutError, ClientDisconnect):
+                drained = False
+        return BodyTooLarge(f"{what} exceeds the limit of {max_request_bytes} bytes (--max-request-bytes)",
+                            close=not drained)
 
     def _decode_json(raw: bytes):
         try:
@@ -193,6 +233,8 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str = "megatron-j
                     resp = await fn(request)
                 except RequestError as e:
                     resp = _error(e.status, e.message, e.field)
+                    if isinstance(e, BodyTooLarge) and e.close:
+                        resp.headers["connection"] = "close"
                 except QueueFullError as e:
                     resp = _error(503, str(e), None, "server_busy")
                 except SchedulerStoppedError as e:
