@@ -1,45 +1,97 @@
-"""Command-line pieces the inference tools share: help that shows every default, and the Megatron-LM spellings.
+"""Command-line options every tool shares, each defined once, and help generated from the dataclasses it configures.
 
-Megatron-LM users type ``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``, ``--bf16``,
-``--micro-batch-size``, ``--tokenizer-model``, ``--num-tokens-to-generate`` and ``--top_k``/``--top_p``; the tools
-(``tools/generate.py``, ``tools/evaluate.py``, ``tools/generate_trajectories.py``,
-``tools/search_inference_config.py``) accept them as aliases of their own flags wherever the concept is the same.
-Training flags (``pretrain_jf.py``) live in :mod:`megatron_jf.training.config`.
+* **Decoder options** (:func:`add_decode_args`): one flag per field of
+  :class:`~megatron_jf.inference.engine.DecodeConfig`, with its default and its docstring as help, in
+  ``tools/generate.py``, ``tools/evaluate.py``, ``tools/run_text_generation_server.py``,
+  ``tools/search_inference_config.py`` (as grids), ``tools/generate_trajectories.py`` and
+  ``tools/visualize_trajectory.py`` (block size and draft initialisation: trajectories are Jacobi's). The tools'
+  default decoder is ``mr`` (:data:`DEFAULT_DECODER`).
+* **Spellings users already know** (:data:`TP_FLAGS` ...): Megatron-LM's (``--tensor-model-parallel-size``,
+  ``--pipeline-model-parallel-size``, ``--num-tokens-to-generate``, ``--micro-batch-size``, ``--tokenizer-model``,
+  ``--bf16``/``--fp16``) and vLLM's (``--tensor-parallel-size``, ``--pipeline-parallel-size``, ``--dtype``) are
+  aliases wherever the concept is the same; ``pretrain_jf.py`` uses the same constants.
+* **Dataclass-generated arguments** (:func:`add_dataclass_arguments`): flags from a dataclass's fields, help from
+  their docstrings (as Megatron-LM's ``ArgumentGroupFactory``), so help and documentation cannot diverge;
+  :class:`~megatron_jf.training.config.TrainConfig` (``pretrain_jf.py``) is built this way.
+* :class:`HelpFormatter`: every optional flag's help ends with its default.
+
+Nothing heavy is imported here (no torch, no megatron): tools build their parser and parse first, so ``--help`` and
+argument errors answer at once, and import torch after.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
+import inspect
+import re
+import typing
 
-#: The option strings every tool gives for the same concept (first: ours, then Megatron-LM's).
-TP_FLAGS = ("--tp", "--tensor-model-parallel-size")
-PP_FLAG = "--pipeline-model-parallel-size"
+#: The option strings of one concept (first: ours, then Megatron-LM's, then vLLM's).
+TP_FLAGS = ("--tp", "--tensor-model-parallel-size", "--tensor-parallel-size")
+PP_FLAGS = ("--pp", "--pipeline-model-parallel-size", "--pipeline-parallel-size")
 TOKENIZER_FLAGS = ("--tokenizer", "--tokenizer-model")
 MAX_NEW_TOKENS_FLAGS = ("--max-new-tokens", "--num-tokens-to-generate")
 BATCH_FLAGS = ("--batch-size", "--micro-batch-size")
+#: kept for callers of the earlier single-flag name
+PP_FLAG = PP_FLAGS[1]
+
+#: The decoder the tools run when ``--decoder`` is not given: MR (multi-block decoding with rejection recycling,
+#: paper Sec. 3.2, Algorithm 1) is lossless -- greedy output identical to AR's -- and the fastest decoder on
+#: Jacobi-Forcing models (paper Table 1-3); ``DecodeConfig``'s own default stays ``ar`` for library callers.
+DEFAULT_DECODER = "mr"
+#: Tokens generated per prompt when ``--max-new-tokens`` is not given (generation, evaluation, search, pictures).
+DEFAULT_MAX_NEW_TOKENS = 256
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the module docstring's layout and appends ``(default: ...)`` to every optional flag's help that does
-    not already say its default (switches read ``on``/``off``; a ``None`` default reads ``none``, so a help whose
-    ``None`` means something else says so itself)."""
+# ----------------------------------------------------------------------------------------------- help
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the module docstring's layout and ends every optional flag's help with its default: ``(default:
+    %(default)s)`` unless the help already states it, ``(required)`` for a required flag. Defaults read as users
+    type them: switches ``on``/``off``, ``None`` as ``none`` (a help whose ``None`` means something else says so),
+    lists comma-separated."""
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if (not action.option_strings or action.default is argparse.SUPPRESS or action.required
-                or "default" in text):
+        if not action.option_strings or action.default is argparse.SUPPRESS or "%(default)" in text:
             return text
-        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
-            on = action.default if isinstance(action, argparse._StoreTrueAction) else not action.default
-            return f"{text} (default: {'on' if on else 'off'})"
-        if action.default is None:
-            return f"{text} (default: none)"
-        d = action.default
-        if isinstance(d, (list, tuple)):
-            d = ",".join(str(x) for x in d) if d else "none"
-        return f"{text} (default: {d})"
+        if action.required:
+            return text if "required" in text else f"{text} (required)"
+        if "default" in text.lower():
+            return text
+        return f"{text} (default: %(default)s)"
+
+    def _expand_help(self, action):
+        saved = action.default
+        action.default = _shown_default(action)
+        try:
+            return super()._expand_help(action)
+        finally:
+            action.default = saved
 
 
+def _shown_default(action) -> str:
+    d = action.default
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)) \
+            and isinstance(d, bool):
+        return "on" if d else "off"
+    if isinstance(action, argparse._StoreConstAction):
+        return "on" if d == action.const else "off"
+    if d is None:
+        return "none"
+    if isinstance(d, (list, tuple)):
+        return ",".join(str(x) for x in d) if d else "none"
+    return str(d)
+
+
+def parser(description: str | None, **kw) -> argparse.ArgumentParser:
+    """An ``ArgumentParser`` with :class:`HelpFormatter` and no abbreviations (a flag is spelled in full, so a new
+    flag can never change what an old abbreviation meant)."""
+    return argparse.ArgumentParser(description=description, formatter_class=HelpFormatter, allow_abbrev=False, **kw)
+
+
+# ----------------------------------------------------------------------------------------------- value types
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
     try:
@@ -51,6 +103,33 @@ def positive_int(text: str) -> int:
     return v
 
 
+def port(text: str) -> int:
+    """argparse type: a TCP port number (1-65535)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 1 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 1-65535, got {v}")
+    return v
+
+
+def comma_list(kind: type):
+    """argparse type: a comma-separated list of ``kind`` values (``"16,32,64"``)."""
+    def parse(text: str) -> list:
+        try:
+            vals = [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}, got {text!r}") \
+                from None
+        if not vals:
+            raise argparse.ArgumentTypeError("expected at least one value")
+        return vals
+    parse.__name__ = f"{kind.__name__} list"
+    return parse
+
+
+# ----------------------------------------------------------------------------------------------- shared options
 def _pp_one(text: str) -> int:
     v = positive_int(text)
     if v != 1:
@@ -59,22 +138,37 @@ def _pp_one(text: str) -> int:
     return v
 
 
-def add_parallel_args(p: argparse.ArgumentParser, *, tp_help: str = "tensor-parallel size (= WORLD_SIZE under "
-                      "torchrun, or a divisor of it)") -> None:
-    """``--tp`` (alias ``--tensor-model-parallel-size``) and ``--pipeline-model-parallel-size`` (only 1 here:
-    accepted so Megatron-LM launch scripts run unchanged)."""
+def add_parallel_args(p, *, tp_help: str = "tensor-parallel size (= WORLD_SIZE under torchrun, or a divisor of "
+                      "it)") -> None:
+    """``--tp`` (also ``--tensor-model-parallel-size``, ``--tensor-parallel-size``) and the pipeline-parallel size
+    (``--pipeline-model-parallel-size`` / ``--pipeline-parallel-size``: only 1 for inference, accepted so
+    Megatron-LM and vLLM launch lines run unchanged)."""
     p.add_argument(*TP_FLAGS, dest="tp", type=positive_int, default=1, metavar="TP", help=tp_help)
-    p.add_argument(PP_FLAG, dest="pipeline_model_parallel_size", type=_pp_one, default=1, metavar="PP",
+    p.add_argument(*PP_FLAGS, dest="pipeline_model_parallel_size", type=_pp_one, default=1, metavar="PP",
                    help="pipeline-parallel size; inference runs PP=1 and loads checkpoints of any layout")
 
 
-def add_precision_args(p: argparse.ArgumentParser) -> None:
-    """``--bf16`` / ``--fp16`` (Megatron-LM's switches) set ``params_dtype``; neither: bf16 on GPU, fp32 on CPU."""
+#: ``--dtype`` values (vLLM's names) -> the ``params_dtype`` names of :func:`add_precision_args`.
+_DTYPES = {"auto": None, "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "half": "fp16", "fp16": "fp16",
+           "float32": "fp32", "float": "fp32", "fp32": "fp32"}
+
+
+def _dtype(text: str) -> str | None:
+    if text not in _DTYPES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; choose from auto, bfloat16, float16, float32")
+    return _DTYPES[text]
+
+
+def add_precision_args(p) -> None:
+    """``--bf16`` / ``--fp16`` (Megatron-LM's switches) or ``--dtype`` (vLLM's) set ``params_dtype``; none: bf16 on
+    GPU, fp32 on CPU."""
     g = p.add_mutually_exclusive_group()
     g.add_argument("--bf16", dest="params_dtype", action="store_const", const="bf16", default=None,
-                   help="run the model in bfloat16 (default: bf16 on GPU, fp32 on CPU)")
+                   help="run the model in bfloat16 (none of --bf16/--fp16/--dtype: bf16 on GPU, fp32 on CPU)")
     g.add_argument("--fp16", dest="params_dtype", action="store_const", const="fp16",
-                   help="run the model in float16 (default: bf16 on GPU, fp32 on CPU)")
+                   help="run the model in float16 (none of --bf16/--fp16/--dtype: bf16 on GPU, fp32 on CPU)")
+    g.add_argument("--dtype", dest="params_dtype", type=_dtype, metavar="{auto,bfloat16,float16,float32}",
+                   help="vLLM's spelling of the model dtype; auto or none: bf16 on GPU, fp32 on CPU")
 
 
 def params_dtype(name: str | None):
@@ -83,7 +177,303 @@ def params_dtype(name: str | None):
 
     from megatron_jf.platform import default_dtype
 
-    return {None: default_dtype(), "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+    return {None: default_dtype(), "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def add_threads_arg(p) -> None:
+    """``--threads``: torch's intra-op threads per process (default: torch's own choice, which follows
+    ``OMP_NUM_THREADS``; torchrun sets it to 1 per process)."""
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch intra-op threads per process; none: torch's choice (OMP_NUM_THREADS, else one per "
+                        "core)")
+
+
+def set_threads(n: int | None) -> None:
+    """Apply ``--threads`` (imports torch; call after parsing)."""
+    if n:
+        import torch
+
+        torch.set_num_threads(int(n))
+
+
+def add_max_new_tokens_arg(p, default: int = DEFAULT_MAX_NEW_TOKENS, help: str = "most tokens generated per "
+                           "prompt") -> None:
+    """``--max-new-tokens`` (Megatron-LM: ``--num-tokens-to-generate``)."""
+    p.add_argument(*MAX_NEW_TOKENS_FLAGS, dest="max_new_tokens", type=positive_int, default=default, help=help)
+
+
+def add_tokenizer_arg(p) -> None:
+    """``--tokenizer`` (Megatron-LM: ``--tokenizer-model``); default: the checkpoint's ``tokenizer/``."""
+    p.add_argument(*TOKENIZER_FLAGS, dest="tokenizer", default=None,
+                   help="tokenizer directory or file; none: the checkpoint's tokenizer/")
+
+
+def add_batch_arg(p, default: int = 1, help: str = "prompts decoded together") -> None:
+    """``--batch-size`` (Megatron-LM: ``--micro-batch-size``)."""
+    p.add_argument(*BATCH_FLAGS, dest="batch_size", type=positive_int, default=default, help=help)
+
+
+def add_load_arg(p, *, required: bool = True, help: str | None = None) -> None:
+    """``--load``: the megatron checkpoint directory (a Hugging Face model is converted first)."""
+    p.add_argument("--load", required=required, default=None, metavar="CKPT",
+                   help=help or "megatron checkpoint directory (required; a Hugging Face model is converted first "
+                                "with tools/convert_hf.py hf-to-mcore)")
+
+
+# ----------------------------------------------------------------------------------------------- decoder options
+def decode_config_class():
+    """:class:`~megatron_jf.inference.engine.DecodeConfig`, every tool's one source of decoder options.
+
+    Read from its own torch-free module ``megatron_jf.decoding.config`` where the checkout has it (the engine split
+    moves it there), else through the engine, which imports torch -- then a decoder tool's ``--help`` waits for it.
+    """
+    try:
+        from megatron_jf.decoding.config import DecodeConfig
+    except ImportError:
+        from megatron_jf.inference.engine import DecodeConfig
+    return DecodeConfig
+
+
+def _decoding_constant(cls, name: str) -> tuple:
+    """``DECODERS`` / ``DRAFT_INITS``: from ``DecodeConfig``'s module, else the engine's re-export."""
+    import importlib
+
+    value = getattr(importlib.import_module(cls.__module__), name, None)
+    if value is None:
+        value = getattr(importlib.import_module("megatron_jf.inference.engine"), name)
+    return tuple(value)
+
+
+def add_decode_args(p, *, title: str = "decoding (Jacobi Forcing decoders, paper Sec. 3.2)",
+                    fields: typing.Sequence[str] | None = None, decoders: typing.Sequence[str] | None = None,
+                    grids: typing.Mapping[str, typing.Sequence] | None = None):
+    """Add one flag per :class:`DecodeConfig` field (``block_size`` -> ``--block-size``) to ``p``, in a group.
+
+    Defaults and help come from the dataclass (its defaults and its docstring's ``Attributes``), the choices of
+    ``--decoder`` and ``--draft-init`` from the engine; the default decoder is :data:`DEFAULT_DECODER`.
+
+    Args:
+        fields: the fields to offer (default: all).
+        decoders: the ``--decoder`` choices (default: every decoder).
+        grids: ``{field: default values}``: these take comma-separated lists (a search grid) instead of one value.
+
+    Returns:
+        The argument group.
+    """
+    cls = decode_config_class()
+    choices = {"decoder": tuple(decoders or _decoding_constant(cls, "DECODERS")),
+               "draft_init": _decoding_constant(cls, "DRAFT_INITS")}
+    defaults = {"decoder": DEFAULT_DECODER if DEFAULT_DECODER in choices["decoder"] else choices["decoder"][0]}
+    g = p.add_argument_group(title)
+    add_dataclass_arguments(g, cls, only=fields, choices=choices, defaults=defaults, grids=grids or {})
+    return g
+
+
+def decode_kwargs(args) -> dict:
+    """``{field: value}`` of the :class:`DecodeConfig` fields that parsed :func:`add_decode_args` flags set."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(decode_config_class()) if hasattr(args, f.name)}
+
+
+def decode_config(args, **override):
+    """The :class:`DecodeConfig` of parsed :func:`add_decode_args` flags (fields not offered keep the dataclass's
+    defaults). Raises ValueError on bad values (the dataclass's checks)."""
+    return decode_config_class()(**{**decode_kwargs(args), **override})
+
+
+# ----------------------------------------------------------------------------------------------- dataclass -> argparse
+def field_docs(cls) -> dict[str, str]:
+    """``{field: documentation}`` of a dataclass: each field's attribute docstring (the string literal right after
+    it in the class body, PEP 257), else its entry in the class docstring's ``Attributes:`` section. Base classes
+    first; whitespace is collapsed to one paragraph."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__[:-1]):
+        docs.update(_section_docs(klass.__doc__ or ""))
+        try:  # the module's syntax tree: cheaper than inspect.getsource's search for the class
+            with open(inspect.getsourcefile(klass), encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+        except (OSError, TypeError, SyntaxError):
+            continue
+        node = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == klass.__name__), None)
+        body = node.body if node is not None else []
+        for stmt, nxt in zip(body, body[1:]):
+            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr)
+                    and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+                docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _section_docs(doc: str) -> dict[str, str]:
+    """Entries ``name: text`` (``a, b: text`` for several) of a Google-style ``Attributes:`` section."""
+    out: dict[str, str] = {}
+    lines = inspect.cleandoc(doc).splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.strip() == "Attributes:")
+    except StopIteration:
+        return out
+    indent, names, text = None, [], []
+
+    def flush():
+        for n in names:
+            out[n] = " ".join(" ".join(text).split())
+
+    for line in lines[start + 1:]:
+        if not line.strip():
+            continue
+        lead = len(line) - len(line.lstrip())
+        if indent is None:
+            indent = lead
+        if lead < indent:
+            break
+        m = re.match(r"\s*([\w, ]+?):\s*(.*)$", line) if lead == indent else None
+        if m:
+            flush()
+            names, text = [n.strip() for n in m.group(1).split(",")], [m.group(2)]
+        else:
+            text.append(line.strip())
+    flush()
+    return out
+
+
+def help_text(doc: str, module=None) -> str:
+    """A docstring as ``--help`` text: reST markup (``literal``, :role:`target`) reduced to plain words; a
+    ``NAME`` that is a tuple of strings in ``module`` (``DECODERS``) is spelled out (``ar, jacobi, ...``)."""
+    def constant(m):
+        v = getattr(module, m.group(1), None) if module is not None else None
+        if isinstance(v, tuple) and v and all(isinstance(x, str) for x in v):
+            return ", ".join(v[:-1]) + " or " + v[-1] if len(v) > 1 else v[0]
+        return m.group(1)
+
+    doc = re.sub(r"``([A-Z][A-Z0-9_]+)``", constant, doc)
+    doc = re.sub(r":\w+:`~?([^`]+)`", lambda m: m.group(1).split(".")[-1], doc)
+    doc = re.sub(r"``([^`]+)``", r"\1", doc)
+    return doc.replace("%", "%%")
+
+
+def flag_name(field_name: str) -> str:
+    """``block_size`` -> ``--block-size``."""
+    return "--" + field_name.replace("_", "-")
+
+
+def cli_field(default=dataclasses.MISSING, *aliases: str, default_factory=dataclasses.MISSING, **argparse_kw):
+    """A dataclass ``field`` with command-line details for :func:`add_dataclass_arguments`.
+
+    Args:
+        default / default_factory: as :func:`dataclasses.field`.
+        aliases: more option strings for the field's flag (Megatron-LM's or vLLM's spelling).
+        argparse_kw: passed to ``add_argument`` (``choices``, ``required``, ``metavar``, ``nargs``, ``type``), and
+            ``const_aliases={"--bf16": "bf16"}``: switches that set the field to a value.
+    """
+    kw = {} if default_factory is dataclasses.MISSING else {"default_factory": default_factory}
+    if default is not dataclasses.MISSING:
+        kw["default"] = default
+    return dataclasses.field(metadata={"cli": {"aliases": aliases, **argparse_kw}}, **kw)
+
+
+def _kind(annotation, module) -> tuple[type, bool, bool]:
+    """``(element type, is a list, may be None)`` of a field annotation (a string under postponed evaluation)."""
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    parts = [t.strip() for t in text.split("|")]
+    optional = "None" in parts
+    parts = [t for t in parts if t != "None"] or ["str"]
+    if len(parts) != 1:
+        raise TypeError(f"cannot make a flag of the annotation {text!r}")
+    t = parts[0]
+    m = re.fullmatch(r"(?:list|List|typing\.List|Sequence|tuple)\[(\w+)(?:, \.\.\.)?\]", t)
+    names = {"int": int, "float": float, "str": str, "bool": bool}
+    if m:
+        return names[m.group(1)], True, optional
+    if t not in names:
+        raise TypeError(f"cannot make a flag of the annotation {text!r} in {module}")
+    return names[t], False, optional
+
+
+def add_dataclass_arguments(group, cls, *, only: typing.Sequence[str] | None = None, skip: typing.Sequence[str] = (),
+                            choices: typing.Mapping[str, typing.Sequence] | None = None,
+                            defaults: typing.Mapping[str, object] | None = None,
+                            grids: typing.Mapping[str, typing.Sequence] | None = None,
+                            groups: typing.Sequence[tuple[str, str]] | None = None) -> dict[str, argparse.Action]:
+    """Add one flag per field of dataclass ``cls`` (``dest`` = the field name), as Megatron-LM's
+    ``ArgumentGroupFactory`` does: the type from the annotation (``int``/``float``/``str``; ``bool`` ->
+    ``--x/--no-x``; ``list[T]`` -> one or more values), the default from the field (or ``defaults``), the help
+    from its docstring (:func:`field_docs`), aliases and argparse details from :func:`cli_field` metadata.
+
+    Args:
+        group: a parser or argument group.
+        only / skip: the fields to offer / leave out (declaration order is kept).
+        choices: ``{field: allowed values}`` (besides ``cli_field(choices=...)``).
+        defaults: ``{field: default}`` overriding the dataclass's.
+        grids: ``{field: default values}`` for fields taking a comma-separated list (a grid of values).
+        groups: ``[(first field, title), ...]``: a new argument group of ``group`` starts at each named field.
+
+    Returns:
+        ``{field: action}``.
+
+    Raises:
+        TypeError: a field whose annotation has no command-line form; ValueError: a field without documentation.
+    """
+    docs = field_docs(cls)
+    module = inspect.getmodule(cls)
+    starts = dict((name, title) for name, title in (groups or ()))
+    target, actions = group, {}
+    names = [f for f in dataclasses.fields(cls) if (only is None or f.name in only) and f.name not in skip]
+    for f in names:
+        if f.name in starts:
+            target = group.add_argument_group(starts[f.name])
+        meta = dict(f.metadata.get("cli", {}))
+        aliases = tuple(meta.pop("aliases", ()))
+        const_aliases = meta.pop("const_aliases", {})
+        doc = docs.get(f.name)
+        if not doc:
+            raise ValueError(f"{cls.__name__}.{f.name} has no docstring: it is the flag's --help")
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = None
+        default = (defaults or {}).get(f.name, default)
+        kind, is_list, _ = _kind(f.type, module)
+        kw: dict = {"dest": f.name, "default": default, "help": help_text(doc, module)}
+        allowed = meta.pop("choices", None) or (choices or {}).get(f.name)
+        if kind is int and meta.pop("positive", False):
+            kind = positive_int
+        if allowed is not None:
+            kind = one_of(f.name.replace("_", " "), allowed)
+            kw["metavar"] = "{" + ",".join(map(str, allowed)) + "}"
+        opts = [flag_name(f.name), *aliases]
+        if f.name in (grids or {}):
+            if not opts[0].endswith("s"):
+                opts.append(opts[0] + "s")  # --block-sizes: the plural reads as a grid
+            kw.update(type=comma_list(kind), default=list(grids[f.name]),
+                      help=f"{kw['help']} Comma-separated values: a grid.")
+        elif kind is bool and not is_list:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif is_list:
+            kw.update(nargs="+", type=kind)
+        else:
+            kw["type"] = kind
+        kw.update(meta)
+        if kw.get("required"):
+            kw.pop("default", None)
+        actions[f.name] = target.add_argument(*opts, **kw)
+        for flag, const in const_aliases.items():  # --bf16 = --precision bf16 (Megatron-LM's switch)
+            target.add_argument(flag, dest=f.name, action="store_const", const=const, default=argparse.SUPPRESS,
+                                help=f"the spelling of {opts[0]} {const} Megatron-LM users know (default: off: "
+                                     f"{opts[0]}'s default)")
+    return actions
+
+
+def one_of(label: str, allowed: typing.Sequence):
+    """argparse type: one of ``allowed`` (strings), else ``unknown <label> 'x'; choose one of a, b, c`` -- the same
+    words as the dataclasses' own checks."""
+    allowed = tuple(allowed)
+
+    def parse(text: str):
+        if text not in allowed:
+            raise argparse.ArgumentTypeError(f"unknown {label} {text!r}; choose one of {', '.join(allowed)}")
+        return text
+    parse.__name__ = label
+    return parse
 
 
 def option_strings(p: argparse.ArgumentParser) -> dict[str, tuple[str, ...]]:

@@ -73,3 +73,20 @@ def reject_hf_dir(path: str | None, flag: str = "--load") -> None:
     """
     if path is not None and is_hf_model_dir(path):
         raise HFDirectoryError(hf_dir_message(path, flag))
+
+
+def check_load_dir(path: str | None, flag: str = "--load") -> None:
+    """The checks of a ``--load`` path that need no torch, so a tool reports them before importing it: the directory
+    exists and is not a Hugging Face model directory (:func:`reject_hf_dir`). ``None`` passes.
+
+    Raises:
+        CheckpointFileError: ``checkpoint directory not found: PATH`` (or not a directory).
+        HFDirectoryError: see :func:`reject_hf_dir`.
+    """
+    if path is None:
+        return
+    if not os.path.exists(path):
+        raise CheckpointFileError(f"checkpoint directory not found: {path} ({flag})")
+    if not os.path.isdir(path):
+        raise CheckpointFileError(f"{path}: not a directory ({flag} takes a checkpoint directory)")
+    reject_hf_dir(path, flag)

@@ -255,7 +255,8 @@ def test_kill_mid_run_then_resume_covers_every_prompt_once(ckpt, tmp_path):
     out = str(tmp_path / "out")
     cmd = [sys.executable, TOOL, "--prompts", prompts, "--load", ckpt, "--out", out, "--block-size", "4",
            "--max-new-tokens", "24", "--batch-size", "4", "--max-records-per-shard", "2", "--no-progress"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+    crash = [sys.executable, os.path.join(REPO, "tests", "fault_injection.py"), *cmd[1:]]  # test-only crash hook
+    p = subprocess.run(crash, capture_output=True, text=True, timeout=300,
                        env=dict(ENV, MEGATRON_JF_COLLECT_CRASH_AFTER_RECORDS="5"))
     assert p.returncode == -signal.SIGKILL, (p.returncode, p.stderr[-3000:])
     names = sorted(os.listdir(out))

@@ -150,16 +150,20 @@ def test_ar_objective_trains_on_token_ids(work, tmp_path):
 
 
 # ----------------------------------------------------------------------------- checkpoint / resume
+FAULT_INJECTION = os.path.join(REPO, "tests", "fault_injection.py")  # honours MEGATRON_JF_FAULT_KILL_AT_STEP
+
+
 def _run_cli(args, env_extra=None, timeout=300):
-    """Run ``pretrain_jf.py`` in its own session; output goes to files, not pipes (dist_checkpointing's
-    spawned manager inherits the descriptors and would keep a pipe open after a kill)."""
+    """Run ``pretrain_jf.py`` in its own session (through the test-only :mod:`tests.fault_injection` wrapper);
+    output goes to files, not pipes (dist_checkpointing's spawned manager inherits the descriptors and would keep a
+    pipe open after a kill)."""
     import tempfile
 
     env = {k: v for k, v in os.environ.items()  # not this process's rendezvous (it holds that port)
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO, **(env_extra or {}))
     with tempfile.TemporaryFile("w+") as fo, tempfile.TemporaryFile("w+") as fe:
-        proc = subprocess.Popen([sys.executable, os.path.join(REPO, "pretrain_jf.py"), *args], env=env,
+        proc = subprocess.Popen([sys.executable, FAULT_INJECTION, os.path.join(REPO, "pretrain_jf.py"), *args], env=env,
                                 stdout=fo, stderr=fe, text=True, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)
@@ -251,7 +255,6 @@ def test_unknown_option_is_an_argparse_error(capsys):
 @pytest.mark.parametrize("extra,exc,match", [
     ([], ValueError, "--block-size is required"),
     (["--block-size", "4", "--attention-path", "two_stream", "--mask", "nc_ic"], ValueError, "exact only for --mask nc"),
-    (["--block-size", "4", "--attention-path", "flex"], NotImplementedError, "flex"),
     (["--block-size", "4", "--min-lr", "1.0"], ValueError, "min-lr"),
     (["--block-size", "4", "--use-megatron-optimizer"], ValueError, "needs CUDA"),
 ])
@@ -261,6 +264,17 @@ def test_bad_configuration(work, extra, exc, match):
     with pytest.raises(exc, match=match):
         _cli_trainer(["--hf-config", os.path.join(work, "hf"), "--data", os.path.join(work, "train"),
                       "--train-steps", "1", *extra])
+
+
+def test_attention_path_flex_is_not_offered(capsys):
+    """Issue 25: no choice is offered that raises; FlexAttention is not implemented, so it is not a choice (it used to
+    be offered and raise NotImplementedError)."""
+    from megatron_jf.training.config import build_parser, parse_config
+
+    with pytest.raises(SystemExit):
+        parse_config(["--data", "x", "--train-steps", "1", "--block-size", "4", "--attention-path", "flex"])
+    assert "unknown attention path 'flex'; choose one of two_stream, dense, packed" in capsys.readouterr().err
+    assert "flex" not in build_parser().format_help()
 
 
 def test_bad_data(work, tmp_path):

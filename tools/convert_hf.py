@@ -42,27 +42,25 @@ def _shard_size(text: str) -> str:
     return text
 
 
-def parse_args(argv=None):
-    """Parse the two sub-commands and their flags (Megatron-LM spellings accepted as aliases)."""
-    from megatron_jf.cli import TP_FLAGS, HelpFormatter, positive_int
+def build_parser() -> argparse.ArgumentParser:
+    """The two sub-commands and their flags (Megatron-LM and vLLM spellings accepted as aliases)."""
+    from megatron_jf import cli
     from megatron_jf.hf_io import DEFAULT_MAX_SHARD_SIZE
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p = cli.parser(__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("hf-to-mcore", help="HF directory -> megatron-core distributed checkpoint",
-                       formatter_class=HelpFormatter, description=__doc__)
+                       formatter_class=cli.HelpFormatter, description=__doc__, allow_abbrev=False)
     a.add_argument("--load", "--hf", dest="load", required=True, metavar="HF_DIR",
                    help="input HF checkpoint directory: config.json + safetensors + tokenizer (required)")
     a.add_argument("--out", "--save", dest="out", required=True, metavar="CKPT_DIR",
                    help="output megatron checkpoint directory (required)")
-    a.add_argument(*TP_FLAGS, dest="tp", type=positive_int, default=1, help="target tensor-parallel size")
-    a.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=positive_int, default=1,
-                   help="target pipeline-parallel size")
+    a.add_argument(*cli.TP_FLAGS, dest="tp", type=cli.positive_int, default=1, help="target tensor-parallel size")
+    a.add_argument(*cli.PP_FLAGS, dest="pp", type=cli.positive_int, default=1, help="target pipeline-parallel size")
     a.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     b = sub.add_parser("mcore-to-hf", help="megatron-core checkpoint -> HF directory",
-                       formatter_class=HelpFormatter, description=__doc__)
-    b.add_argument("--load", required=True, metavar="CKPT_DIR",
-                   help="input megatron checkpoint directory, this project's or Megatron-LM's (required)")
+                       formatter_class=cli.HelpFormatter, description=__doc__, allow_abbrev=False)
+    cli.add_load_arg(b, help="input megatron checkpoint directory, this project's or Megatron-LM's (required)")
     b.add_argument("--iteration", type=int, default=None,
                    help="iteration to export (default: the latest, as latest_checkpointed_iteration.txt names)")
     b.add_argument("--out", "--hf", dest="out", required=True, metavar="HF_DIR",
@@ -71,7 +69,12 @@ def parse_args(argv=None):
                    help="largest safetensors shard, as save_pretrained's max_shard_size: bytes or a number with "
                         "KB/MB/GB/TB (decimal units)")
     b.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    """Parse the command line (argparse errors exit with status 2)."""
+    return build_parser().parse_args(argv)
 
 
 def hf_to_mcore_cmd(args) -> None:
@@ -132,10 +135,8 @@ def mcore_to_hf_cmd(args) -> None:
     from megatron_jf import parallel
     from megatron_jf.checkpointing import load_model, stored_dtype, tokenizer_path
     from megatron_jf.hf_io import save_hf_checkpoint
-    from megatron_jf.load_errors import reject_hf_dir
     from megatron_jf.models.convert import mcore_to_hf
 
-    reject_hf_dir(args.load)
     if os.path.exists(args.out) and not args.overwrite:
         raise SystemExit(f"error: output directory {args.out} exists (pass --overwrite to replace it)")
     parallel.initialize(1, 1)
@@ -157,6 +158,10 @@ def main(argv=None):
     """CLI entry point; known input errors exit with ``error: ...``."""
     args = parse_args(argv)
     try:
+        if args.cmd == "mcore-to-hf":  # before torch is imported
+            from megatron_jf.load_errors import check_load_dir
+
+            check_load_dir(args.load)
         if args.cmd == "hf-to-mcore":
             hf_to_mcore_cmd(args)
         else:

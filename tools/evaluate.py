@@ -24,36 +24,24 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command-line parser (decoder flags mirror :class:`megatron_jf.inference.engine.DecodeConfig`;
-    Megatron-LM spellings accepted, see :mod:`megatron_jf.cli`)."""
-    from megatron_jf.cli import (BATCH_FLAGS, MAX_NEW_TOKENS_FLAGS, TOKENIZER_FLAGS, HelpFormatter,
-                                 add_parallel_args, positive_int)
-    from megatron_jf.inference.engine import DECODERS, DRAFT_INITS, DecodeConfig
+    """The command-line parser (decoder flags from :class:`megatron_jf.inference.engine.DecodeConfig`, shared with
+    every tool; Megatron-LM and vLLM spellings accepted, see :mod:`megatron_jf.cli`)."""
+    from megatron_jf import cli
 
-    d = DecodeConfig()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--load", required=True, help="megatron_jf checkpoint directory (required; a Hugging Face model "
-                   "is converted first with tools/convert_hf.py hf-to-mcore)")
+    p = cli.parser(__doc__)
+    cli.add_load_arg(p)
     p.add_argument("--benchmark", help="humaneval, mbpp, gsm8k, math or math500 (default: none; give it or --data)")
     p.add_argument("--data", help="local JSONL problems instead of the packaged benchmark (default: none)")
-    p.add_argument("--decoder", default="jacobi", help=f"{', '.join(DECODERS)} (compared against AR)")
-    p.add_argument("--block-size", type=int, help=f"n, tokens per block (default: {d.block_size})")
-    p.add_argument("--num-blocks", type=int, help=f"K, blocks in flight (mr) (default: {d.num_blocks})")
-    p.add_argument("--spawn-threshold", type=float, help=f"r in (0, 1] (mr) (default: {d.spawn_threshold})")
-    p.add_argument("--verification-size", type=int,
-                   help=f"drafts verified per forward (mr) (default: {d.verification_size})")
-    p.add_argument("--ngram-pool-size", type=int, help=f"n-grams kept per key (mr) (default: {d.ngram_pool_size})")
-    p.add_argument("--draft-init", help=f"initial draft, {' or '.join(DRAFT_INITS)} (default: {d.draft_init})")
-    p.add_argument(*MAX_NEW_TOKENS_FLAGS, dest="max_new_tokens", type=int, default=256,
-                   help="most tokens generated per problem")
+    g = cli.add_decode_args(p, title="decoding (compared against AR on the same prompts)")
+    cli.add_max_new_tokens_arg(g, help="most tokens generated per problem")
     p.add_argument("--limit", type=int, help="first N problems (default: all)")
-    p.add_argument(*BATCH_FLAGS, dest="batch_size", type=int, default=1, help="problems decoded together")
+    cli.add_batch_arg(p, help="problems decoded together")
     p.add_argument("--prompt-mode", default="chat", help="chat (instruct models) or raw (base models)")
     p.add_argument("--prompt-set", default=None, help="prompt set name (default: jf-paper-v1)")
-    p.add_argument(*TOKENIZER_FLAGS, dest="tokenizer", help="tokenizer path (default: the checkpoint's)")
+    cli.add_tokenizer_arg(p)
     p.add_argument("--out", default="eval_out", help="output directory")
-    p.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's)")
-    add_parallel_args(p)
+    cli.add_threads_arg(p)
+    cli.add_parallel_args(p)
     p.add_argument("--seed", type=int, default=1234, help="seed of the draft initialisation")
     p.add_argument("--score-timeout", type=float, default=10.0, help="sandbox seconds per program")
     p.add_argument("--math-cpu-limit", type=float, default=20.0,
@@ -72,10 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(a: argparse.Namespace):
     """Map parsed arguments to :class:`megatron_jf.eval.harness.EvalConfig`."""
+    from megatron_jf import cli
     from megatron_jf.eval.harness import EvalConfig
 
-    decode = dict(block_size=a.block_size, num_blocks=a.num_blocks, spawn_threshold=a.spawn_threshold,
-                  verification_size=a.verification_size, ngram_pool_size=a.ngram_pool_size, draft_init=a.draft_init)
+    decode = {k: v for k, v in cli.decode_kwargs(a).items() if k != "decoder"}
     return EvalConfig(load=a.load, benchmark=a.benchmark, decoder=a.decoder, decode=decode, data=a.data,
                       limit=a.limit, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size,
                       prompt_mode=a.prompt_mode, prompt_set=a.prompt_set, out_dir=a.out, tokenizer=a.tokenizer,
@@ -87,7 +75,10 @@ def config_from_args(a: argparse.Namespace):
 
 def main(argv=None) -> int:
     """Run the evaluation; returns the exit code (0 ok, 2 bad input, 3 lossless violation)."""
-    a = build_parser().parse_args(argv)
+    try:
+        a = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse printed the usage and the error (status 2), or the help (0)
+        return e.code
     from megatron_jf.eval.benchmarks import BenchmarkDataError, MissingBenchmarkPackage
     from megatron_jf.eval.harness import (CheckpointNotFound, HarnessError, LosslessViolation, ResumeMismatch,
                                           TokenizerNotFound, run_evaluation)

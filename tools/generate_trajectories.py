@@ -37,36 +37,31 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CRASH_ENV = "MEGATRON_JF_COLLECT_CRASH_AFTER_RECORDS"  # testing: SIGKILL a rank after it wrote this many records
-
 
 def build_parser():
-    """The command-line parser (Megatron-LM spellings accepted, see :mod:`megatron_jf.cli`)."""
-    from megatron_jf.cli import (BATCH_FLAGS, MAX_NEW_TOKENS_FLAGS, TOKENIZER_FLAGS, HelpFormatter,
-                                 add_parallel_args, add_precision_args)
+    """The command-line parser (Megatron-LM and vLLM spellings accepted, see :mod:`megatron_jf.cli`); the block size
+    and draft initialisation are the decoder flags every tool shares."""
+    from megatron_jf import cli
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p = cli.parser(__doc__)
     p.add_argument("--prompts", required=True, help="prompt JSONL file (required)")
-    p.add_argument("--load", required=True, help="megatron checkpoint directory (required; a Hugging Face model is "
-                   "converted first with tools/convert_hf.py hf-to-mcore)")
-    p.add_argument(*TOKENIZER_FLAGS, dest="tokenizer", default=None,
-                   help="tokenizer directory/file (default: the checkpoint's tokenizer/)")
+    cli.add_load_arg(p)
+    cli.add_tokenizer_arg(p)
     p.add_argument("--out", required=True, help="output directory for shards and manifest (required)")
-    p.add_argument("--block-size", type=int, default=32, help="Jacobi block size n")
-    p.add_argument(*MAX_NEW_TOKENS_FLAGS, dest="max_new_tokens", type=int, default=1024,
-                   help="response length cap per prompt")
-    p.add_argument(*BATCH_FLAGS, dest="batch_size", type=int, default=8, help="prompts decoded together per rank")
-    p.add_argument("--draft-init", choices=("context", "repeat"), default="context",
-                   help="initial draft: tokens drawn from prompt+output (paper) or the last token repeated")
+    g = cli.add_decode_args(p, title="Jacobi decoding of the trajectories (paper Sec. 3.1)",
+                            fields=("block_size", "draft_init"))
+    cli.add_max_new_tokens_arg(g, default=1024, help="response length cap per prompt (trajectories are training "
+                               "data: longer than the generation tools' 256; the paper uses 2048)")
+    cli.add_batch_arg(p, default=8, help="prompts decoded together per rank")
     p.add_argument("--seed", type=int, default=0, help="seed of the draft initialisation")
-    p.add_argument("--max-records-per-shard", type=int, default=1000, help="records per shard")
-    add_parallel_args(p, tp_help="tensor-parallel size (the data-parallel size is WORLD_SIZE / tp)")
-    add_precision_args(p)
+    p.add_argument("--max-records-per-shard", type=cli.positive_int, default=1000, help="records per shard")
+    cli.add_parallel_args(p, tp_help="tensor-parallel size (the data-parallel size is WORLD_SIZE / tp)")
+    cli.add_precision_args(p)
     p.add_argument("--no-filter", action="store_true", help="keep degenerate (repetitive) responses")
     p.add_argument("--long-prompts", choices=("skip", "error"), default="skip",
                    help="prompts that do not fit the context window: skip and count them, or stop with an error")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per process (default: torch's)")
+    cli.add_threads_arg(p)
     return p
 
 
@@ -74,9 +69,8 @@ def parse_args(argv=None):
     """Parse and range-check the command line (argparse errors exit with status 2)."""
     p = build_parser()
     args = p.parse_args(argv)
-    for name in ("block_size", "max_new_tokens", "batch_size", "max_records_per_shard", "tp"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.block_size < 1:
+        p.error(f"--block-size must be >= 1, got {args.block_size}")
     return args
 
 
@@ -199,7 +193,6 @@ def run(args) -> dict | None:
         fit, long = C.split_too_long(toks, engine.max_context, cfg.max_new_tokens, args.long_prompts)
         n_long = len(long)
         fit.sort(key=lambda p: -len(p.ids))  # similar lengths batch together (less padding); longest first
-        crash = int(os.environ[CRASH_ENV]) if os.environ.get(CRASH_ENV) else None
         writer = ledger = None
         if writer_rank:
             prefix = C.shard_prefix(dp_rank)
@@ -232,8 +225,7 @@ def run(args) -> dict | None:
         try:
             if writer is not None:
                 with writer:
-                    stats = C.collect(engine, fit, cfg, writer=writer, ledger=ledger, on_batch=on_batch,
-                                      crash_after_records=crash)
+                    stats = C.collect(engine, fit, cfg, writer=writer, ledger=ledger, on_batch=on_batch)
             else:
                 stats = C.collect(engine, fit, cfg, on_batch=on_batch)
         finally:
@@ -286,10 +278,14 @@ def _print_summary(st, n_long, counts, manifest, dp, tp, wall):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.threads:
-        import torch
+    from megatron_jf import cli
+    from megatron_jf.load_errors import check_load_dir
 
-        torch.set_num_threads(args.threads)
+    try:
+        check_load_dir(args.load)  # before torch is imported
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    cli.set_threads(args.threads)
     try:
         return run(args)
     except (FileNotFoundError, ValueError, FileExistsError) as e:

@@ -13,7 +13,8 @@ Example::
          -d '{"prompts": ["Hello"], "tokens_to_generate": 32, "temperature": 0}'
 
 vLLM spellings are accepted as aliases: ``--tensor-parallel-size`` (``--tp``), ``--served-model-name``
-(``--model-name``), ``--max-model-len`` (caps the context window), ``--max-num-seqs`` (``--max-batch``).
+(``--model-name``), ``--max-model-len`` (caps the context window), ``--max-num-seqs`` (``--max-batch``), ``--dtype``;
+and Megatron-LM's: ``--tensor-model-parallel-size``, ``--tokenizer-model``, ``--bf16``.
 Generation stops on :func:`megatron_jf.tokenizer.stop_token_ids` of the checkpoint (tokenizer EOS,
 the checkpoint's ``eos_token_ids`` and its ``generation_config.json``), as ``tools/generate.py`` does.
 """
@@ -25,21 +26,9 @@ import logging
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def _port(text: str) -> int:
-    """argparse type: a TCP port number."""
-    v = int(text)
-    if not 1 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in 1-65535, got {v}")
-    return v
-
-def _positive(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+from megatron_jf import cli  # noqa: E402  (light: torch is imported after parsing)
 
 
 class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -47,39 +36,34 @@ class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpF
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command-line parser (every flag's help shows its default)."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
-    p.add_argument("--load", required=True, help="megatron-jf checkpoint directory")
-    p.add_argument("--tokenizer", default=None, help="tokenizer path; None means CKPT/tokenizer")
-    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=_positive, default=1,
-                   help="tensor-parallel size (= WORLD_SIZE under torchrun)")
+    """The command-line parser (every flag's help shows its default; decoder flags shared with every tool)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_Help, allow_abbrev=False)
+    cli.add_load_arg(p, help="megatron checkpoint directory (a Hugging Face model is converted first with "
+                             "tools/convert_hf.py hf-to-mcore)")
+    cli.add_tokenizer_arg(p)
+    cli.add_parallel_args(p, tp_help="tensor-parallel size (= WORLD_SIZE under torchrun)")
+    cli.add_precision_args(p)
+    cli.add_threads_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=_port, default=5000, help="TCP port, 1-65535")
+    p.add_argument("--port", type=cli.port, default=5000, help="TCP port, 1-65535")
     p.add_argument("--model-name", "--served-model-name", dest="model_name", default=None,
-                   help="model id in /v1/models; None means the checkpoint directory's name")
-    p.add_argument("--max-model-len", type=_positive, default=None,
-                   help="context window, tokens; None means the model's max_position_embeddings (may only lower it)")
-    p.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", type=_positive, default=32,
+                   help="model id in /v1/models; none: the checkpoint directory's name")
+    p.add_argument("--max-model-len", type=cli.positive_int, default=None,
+                   help="context window, tokens; none: the model's max_position_embeddings (may only lower it)")
+    p.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", type=cli.positive_int, default=32,
                    help="most requests decoding together (continuous batching rows)")
-    p.add_argument("--max-queue", type=_positive, default=256, help="most waiting requests (503 beyond)")
+    p.add_argument("--max-queue", type=cli.positive_int, default=256, help="most waiting requests (503 beyond)")
     p.add_argument("--batch-wait-ms", type=float, default=20.0,
                    help="when idle, wait this long for more requests before the first step (ms)")
-    p.add_argument("--max-request-bytes", type=_positive, default=2 << 20,
+    p.add_argument("--max-request-bytes", type=cli.positive_int, default=2 << 20,
                    help="largest request body, bytes (413 beyond)")
-    p.add_argument("--max-parallel-tokens", type=_positive, default=512,
+    p.add_argument("--max-parallel-tokens", type=cli.positive_int, default=512,
                    help="most tokens one request may forward per step (AR 1, Jacobi n+1, MR 1+K*n+(v-1)*n)")
-    p.add_argument("--max-stop-strings", type=_positive, default=16, help="most stop strings per request")
-    p.add_argument("--max-stop-chars", type=_positive, default=512, help="longest stop string, characters")
+    p.add_argument("--max-stop-strings", type=cli.positive_int, default=16, help="most stop strings per request")
+    p.add_argument("--max-stop-chars", type=cli.positive_int, default=512, help="longest stop string, characters")
     p.add_argument("--docs", action="store_true", help="serve /docs and /openapi.json (Swagger UI loads from a CDN)")
     p.add_argument("--seed", type=int, default=1234, help="process random seed")
-    d = p.add_argument_group("default decoder (per-request override: the 'jf' object)")
-    d.add_argument("--decoder", default="mr", choices=("ar", "jacobi", "running-window", "mr"), help="decoder")
-    d.add_argument("--block-size", type=int, default=16, help="n, draft tokens per block")
-    d.add_argument("--num-blocks", type=int, default=2, help="K, blocks in flight (mr)")
-    d.add_argument("--spawn-threshold", type=float, default=0.85, help="r, pseudo-active block spawn threshold (mr)")
-    d.add_argument("--verification-size", type=int, default=4, help="drafts verified per forward (mr)")
-    d.add_argument("--ngram-pool-size", type=int, default=8, help="n-grams kept per first token (mr)")
-    d.add_argument("--draft-init", default="context", choices=("context", "repeat"), help="initial draft tokens")
+    cli.add_decode_args(p, title="default decoder (per-request override: the 'jf' object)")
     return p
 
 
@@ -89,42 +73,32 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from megatron_jf.load_errors import check_load_dir
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:  # cheap checks before torch is imported
+        if world != args.tp:
+            raise ValueError(f"--tp {args.tp} needs {args.tp} ranks (run under torchrun), got WORLD_SIZE={world}")
+        check_load_dir(args.load)
+        default = cli.decode_config(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cli.set_threads(args.threads)
     from datetime import timedelta
 
     import torch.distributed as dist
 
     from megatron_jf import parallel
     from megatron_jf.checkpointing import load_model, tokenizer_path
-    from megatron_jf.inference.engine import DecodeConfig, Engine
+    from megatron_jf.inference.engine import Engine, forward_width
     from megatron_jf.server.scheduler import follower_loop
-    from megatron_jf.inference.engine import forward_width
     from megatron_jf.tokenizer import load_tokenizer, stop_token_ids
 
-    try:
-        default = DecodeConfig(args.decoder, args.block_size, args.num_blocks, args.spawn_threshold,
-                               args.verification_size, args.ngram_pool_size, args.draft_init)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     if forward_width(default) > args.max_parallel_tokens:
         print(f"error: the default decoder forwards {forward_width(default)} tokens per step, over "
               f"--max-parallel-tokens {args.max_parallel_tokens}", file=sys.stderr)
-        return 2
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != args.tp:
-        print(f"error: --tp {args.tp} needs {args.tp} ranks (run under torchrun), got WORLD_SIZE={world}",
-              file=sys.stderr)
-        return 2
-    if not os.path.isdir(args.load):
-        print(f"error: checkpoint directory not found: {args.load}", file=sys.stderr)
-        return 2
-    from megatron_jf.load_errors import HFDirectoryError, reject_hf_dir
-
-    try:
-        reject_hf_dir(args.load)
-    except HFDirectoryError as e:
-        print(f"error: {e}", file=sys.stderr)
         return 2
     parallel.initialize(args.tp, 1)
     parallel.set_seed(args.seed)
@@ -134,7 +108,7 @@ def main(argv=None) -> int:
         return 2
     tokenizer = load_tokenizer(tok_path)
     try:
-        model, margs, _ = load_model(args.load)
+        model, margs, _ = load_model(args.load, params_dtype=cli.params_dtype(args.params_dtype))
     except (ValueError, FileNotFoundError) as e:  # a damaged checkpoint names its file (CheckpointFileError)
         print(f"error: {e}", file=sys.stderr)
         return 2

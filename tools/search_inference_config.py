@@ -27,14 +27,6 @@ from typing import Any, Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x.strip()]
-
-
-def _floats(s: str) -> list[float]:
-    return [float(x) for x in s.split(",") if x.strip()]
-
-
 def measure(engine, prompts: Sequence[Sequence[int]], cfg, *, max_new_tokens: int, eos_ids=frozenset(),
             batch_size: int = 1) -> dict[str, Any]:
     """Run ``cfg`` greedily over ``prompts``; returns ``{"tpf", "tps", "tokens", "forwards", "decode_s", "wall_s",
@@ -131,7 +123,7 @@ def plot_surface(points: Sequence[dict], fit: Optional[dict], path: str, title: 
 
 def search(engine, prompts, *, decoder: str, block_sizes, verification_sizes, num_blocks, spawn_thresholds,
            max_new_tokens: int, eos_ids=frozenset(), batch_size: int = 1, progress: bool = True,
-           draft_init: str = "context") -> dict[str, Any]:
+           draft_init: str = "context", ngram_pool_size: int | None = None) -> dict[str, Any]:
     """Measure every grid point (plus the AR baseline) and pick the best.
 
     Returns:
@@ -153,7 +145,7 @@ def search(engine, prompts, *, decoder: str, block_sizes, verification_sizes, nu
     if decoder != "mr":  # v, K, r only matter for mr
         grid = sorted({(n, 1, 1, 1.0) for n, *_ in grid})
     cfgs = [decode_config_from(decoder, block_size=n, verification_size=v, num_blocks=K, spawn_threshold=r,
-                               draft_init=draft_init)
+                               draft_init=draft_init, ngram_pool_size=ngram_pool_size)
             for n, v, K, r in grid]
     it = cfgs
     if progress:
@@ -181,31 +173,30 @@ def search(engine, prompts, *, decoder: str, block_sizes, verification_sizes, nu
             "best": best, "fit": fit, "lossless": all(p["lossless"] for p in points)}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command-line parser (Megatron-LM spellings accepted, see :mod:`megatron_jf.cli`)."""
-    from megatron_jf.cli import BATCH_FLAGS, MAX_NEW_TOKENS_FLAGS, TOKENIZER_FLAGS, HelpFormatter, positive_int
+#: The grid searched when no values are given (paper Appendix E, Figure 5: n up to 64, v up to 8).
+GRID_DEFAULTS = {"block_size": (16, 32, 64), "verification_size": (1, 2, 4, 8), "num_blocks": (2,),
+                 "spawn_threshold": (0.85,)}
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--load", required=True, help="megatron_jf checkpoint directory (required; a Hugging Face model "
-                   "is converted first with tools/convert_hf.py hf-to-mcore)")
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser: the decoder flags of every tool (:func:`megatron_jf.cli.add_decode_args`), with
+    ``--block-size(s)``, ``--verification-size(s)``, ``--num-blocks`` and ``--spawn-threshold(s)`` taking
+    comma-separated grids (Megatron-LM and vLLM spellings accepted, see :mod:`megatron_jf.cli`)."""
+    from megatron_jf import cli
+
+    p = cli.parser(__doc__)
+    cli.add_load_arg(p)
     p.add_argument("--benchmark", default="humaneval", help="humaneval, mbpp, gsm8k, math or math500: the prompts")
     p.add_argument("--data", help="local JSONL problems instead of the packaged benchmark (default: none)")
     p.add_argument("--limit", type=int, default=8, help="first N problems")
     p.add_argument("--prompt-mode", default="chat", help="chat (instruct models) or raw (base models)")
     p.add_argument("--prompt-set", help="prompt set name (default: jf-paper-v1)")
-    p.add_argument(*TOKENIZER_FLAGS, dest="tokenizer", help="tokenizer path (default: the checkpoint's)")
-    p.add_argument("--decoder", default="mr", help="drafting decoder searched: jacobi, running-window or mr")
-    p.add_argument("--block-sizes", type=_ints, default=[16, 32, 64], help="grid of block sizes n (comma list)")
-    p.add_argument("--verification-sizes", type=_ints, default=[1, 2, 4, 8],
-                   help="grid of verification sizes v (comma list; mr)")
-    p.add_argument("--num-blocks", type=_ints, default=[2], help="grid of blocks in flight K (comma list; mr)")
-    p.add_argument("--spawn-thresholds", type=_floats, default=[0.85],
-                   help="grid of spawn thresholds r (comma list; mr)")
-    p.add_argument("--draft-init", default="context", help="context or repeat")
-    p.add_argument(*MAX_NEW_TOKENS_FLAGS, dest="max_new_tokens", type=int, default=256,
-                   help="most tokens generated per prompt")
-    p.add_argument(*BATCH_FLAGS, dest="batch_size", type=int, default=1, help="prompts decoded together")
-    p.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's)")
+    cli.add_tokenizer_arg(p)
+    g = cli.add_decode_args(p, title="decoding: the drafting decoder searched, and the grid (paper Appendix E)",
+                            decoders=("jacobi", "running-window", "mr"), grids=GRID_DEFAULTS)
+    cli.add_max_new_tokens_arg(g)
+    cli.add_batch_arg(p)
+    cli.add_threads_arg(p)
     p.add_argument("--out", default="search_out", help="output directory (search.json, surface.png)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -213,19 +204,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """CLI entry point; returns 0, or 2 on bad input."""
-    a = build_parser().parse_args(argv)
-
+    try:
+        a = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse printed the usage and the error (status 2), or the help (0)
+        return e.code
     from megatron_jf.eval.benchmarks import BenchmarkDataError, MissingBenchmarkPackage, load_benchmark
     from megatron_jf.eval.harness import (ChatTemplateAdapter, CheckpointNotFound, HarnessError, TokenizerNotFound,
                                           atomic_write_text, load_for_inference, method_name, decode_config_from)
     from megatron_jf.eval.prompts import prompt_info, render_prompt
-    from megatron_jf.load_errors import reject_hf_dir
+    from megatron_jf.load_errors import check_load_dir
 
     try:
-        reject_hf_dir(a.load)
+        check_load_dir(a.load)
         if a.benchmark not in (None, "humaneval", "mbpp", "gsm8k", "math", "math500") and not a.data:
             raise HarnessError(f"unknown benchmark {a.benchmark!r}")
-        decode_config_from(a.decoder, draft_init=a.draft_init)
+        decode_config_from(a.decoder, draft_init=a.draft_init, ngram_pool_size=a.ngram_pool_size)
         lm = load_for_inference(a.load, tokenizer=a.tokenizer, threads=a.threads)
         problems = load_benchmark(a.benchmark, limit=a.limit, data_path=a.data)
         if not problems:
@@ -234,11 +227,11 @@ def main(argv=None) -> int:
         prompts = [lm.tokenizer.encode(render_prompt(q, chat, mode=a.prompt_mode, prompt_set=a.prompt_set))
                    for q in problems]
         lm.engine.generate([prompts[0]], decode_config_from("ar"), max_new_tokens=2)  # warm-up
-        res = search(lm.engine, prompts, decoder=a.decoder, block_sizes=a.block_sizes,
-                     verification_sizes=a.verification_sizes, num_blocks=a.num_blocks,
-                     spawn_thresholds=a.spawn_thresholds, max_new_tokens=a.max_new_tokens, eos_ids=lm.eos_ids,
+        res = search(lm.engine, prompts, decoder=a.decoder, block_sizes=a.block_size,
+                     verification_sizes=a.verification_size, num_blocks=a.num_blocks,
+                     spawn_thresholds=a.spawn_threshold, max_new_tokens=a.max_new_tokens, eos_ids=lm.eos_ids,
                      batch_size=a.batch_size, progress=not a.no_progress,
-                     draft_init=a.draft_init)
+                     draft_init=a.draft_init, ngram_pool_size=a.ngram_pool_size)
     except (HarnessError, CheckpointNotFound, TokenizerNotFound, MissingBenchmarkPackage, BenchmarkDataError,
             FileNotFoundError) as e:
         print(f"search_inference_config: error: {e}", file=sys.stderr)

@@ -199,24 +199,35 @@ def visualize(blocks: Sequence[dict], out_prefix: str, *, tokenizer=None, min_ru
     return {"html": html_path, "png": png_path, "rows": len(rows), "label_counts": counts}
 
 
-def main(argv=None) -> int:
-    """CLI entry point; returns 0, or 2 on bad input (message on stderr)."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser (block size and draft initialisation are the decoder flags every tool shares)."""
+    from megatron_jf import cli
+
+    p = cli.parser(__doc__)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--shard", help="webdataset shard (.tar) of trajectory records")
-    src.add_argument("--load", help="checkpoint to run live")
+    cli.add_load_arg(src, required=False, help="checkpoint to run live (the jacobi decoder)")
     p.add_argument("--index", type=int, default=0, help="record index in the shard")
     p.add_argument("--sample-id", help="record sample id in the shard (overrides --index)")
     p.add_argument("--prompt", help="prompt text (live)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template (live)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--draft-init", default="context")
-    p.add_argument("--tokenizer", help="tokenizer for token text (default: the checkpoint's when live)")
-    p.add_argument("--min-run", type=int, default=3)
-    p.add_argument("--max-png-rows", type=int, default=200)
+    g = cli.add_decode_args(p, title="Jacobi decoding (live)", fields=("block_size", "draft_init"))
+    cli.add_max_new_tokens_arg(g)
+    p.add_argument(*cli.TOKENIZER_FLAGS, dest="tokenizer",
+                   help="tokenizer for token text (default: the checkpoint's when live; none: token ids)")
+    p.add_argument("--min-run", type=int, default=3, help="shortest run of fixed-point tokens after the first "
+                   "mismatch that is highlighted as stationary")
+    p.add_argument("--max-png-rows", type=int, default=200, help="most iteration rows drawn in the PNG")
     p.add_argument("--out", required=True, help="output prefix (writes PREFIX.html and PREFIX.png)")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    """CLI entry point; returns 0, or 2 on bad input (message on stderr)."""
+    try:
+        a = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse printed the usage and the error (status 2), or the help (0)
+        return e.code
     from megatron_jf.eval.harness import CheckpointNotFound, HarnessError, TokenizerNotFound
 
     try:
@@ -246,6 +257,9 @@ def main(argv=None) -> int:
         else:
             if not a.prompt:
                 raise ValueError("--load needs --prompt")
+            from megatron_jf.load_errors import check_load_dir
+
+            check_load_dir(a.load)
             blocks, tok, ptext, res = live_trajectory(a.load, a.prompt, block_size=a.block_size,
                                                       max_new_tokens=a.max_new_tokens, chat=a.chat,
                                                       tokenizer=a.tokenizer, draft_init=a.draft_init)

@@ -478,8 +478,8 @@ class CollectStats:
 
 
 def collect(engine, prompts: Sequence[TokenizedPrompt], config: CollectConfig, *, writer=None,
-            ledger: "SkipLedger | None" = None, on_batch: Callable[[CollectStats, int], None] | None = None,
-            crash_after_records: int | None = None) -> CollectStats:
+            ledger: "SkipLedger | None" = None, on_batch: Callable[[CollectStats, int], None] | None = None
+            ) -> CollectStats:
     """Decode ``prompts`` in batches with the ``jacobi`` decoder and write one record per prompt.
 
     Records stream to ``writer`` batch by batch (nothing accumulates in memory). Under tensor
@@ -492,8 +492,6 @@ def collect(engine, prompts: Sequence[TokenizedPrompt], config: CollectConfig, *
         writer: a :class:`~megatron_jf.data.shards.TrajectoryShardWriter`, or None (nothing written).
         ledger: where dropped prompts are recorded (:class:`SkipLedger`), or None.
         on_batch: called after each batch with ``(this batch's stats, prompts in the batch)``.
-        crash_after_records: testing hook: ``SIGKILL`` this process right after the writer holds that
-            many records (simulates a crash mid-run).
 
     Returns:
         The stats of this call.
@@ -527,10 +525,6 @@ def collect(engine, prompts: Sequence[TokenizedPrompt], config: CollectConfig, *
                 continue
             if writer is not None:
                 writer.write(rec)
-                if crash_after_records is not None and writer.num_records >= crash_after_records:
-                    import signal
-
-                    os.kill(os.getpid(), signal.SIGKILL)
             st.records += 1
             st.blocks += rec.num_blocks
             st.states += sum(b.num_states for b in rec.blocks)

@@ -57,12 +57,15 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron_jf.data.dataset import collate_packed, collate_two_stream
 from megatron_jf.data.masks import MASK_KINDS, dense_mask_from_layout
 from megatron_jf.data.packing import IGNORE_INDEX, PackedSample
+from megatron_jf.training.config import ATTENTION_PATHS
 from megatron_jf.training.losses import JFLossInputs
 
 __all__ = ["PATHS", "JFBatch", "build_jf_batch", "append_anchor_rows", "forward_model", "gather_jf_logits",
            "gather_anchor_logits", "jf_forward"]
 
-PATHS = ("two_stream", "dense", "packed", "flex")
+#: The command line's ``--attention-path`` values, and ``flex``: known here and refused (NotImplementedError), not
+#: offered by the command line.
+PATHS = ATTENTION_PATHS + ("flex",)
 
 
 @dataclass

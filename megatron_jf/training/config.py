@@ -1,9 +1,13 @@
 """Training configuration: every ``pretrain_jf.py`` option, its command line, and the LR schedule.
 
-* :class:`TrainConfig` holds every knob of a run, grouped by concern (no global mutable arguments).
+* :class:`TrainConfig` holds every knob of a run, grouped by concern (no global mutable arguments). Each field's
+  docstring is its ``--help``: the command line is generated from the dataclass (:func:`build_parser`, as
+  Megatron-LM's ``ArgumentGroupFactory``), so help and documentation cannot diverge.
 * :func:`build_parser` / :func:`parse_config` are the command line (Megatron-LM flag names where the concept
-  matches, e.g. ``--tensor-model-parallel-size`` for ``--tp``).
+  matches, e.g. ``--tensor-model-parallel-size`` for ``--tp``, and vLLM's ``--tensor-parallel-size``).
 * :func:`lr_at` is the learning rate of a step (linear warmup, then cosine decay).
+
+Nothing here imports torch: ``pretrain_jf.py --help`` and argument errors answer before it is loaded.
 """
 
 from __future__ import annotations
@@ -11,180 +15,247 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from megatron_jf.training.losses import CONSISTENCY_LOSSES, PC_NORMALIZATIONS, LossConfig
+from megatron_jf import cli
+from megatron_jf.cli import cli_field
 
 __all__ = ["TrainConfig", "build_parser", "parse_config", "effective_seq_length", "lr_at"]
 
 OBJECTIVES = ("jf", "ar")
-ATTENTION_PATHS = ("two_stream", "dense", "packed", "flex")
+#: ``flex`` (FlexAttention) is not offered: on CPU it is slower than SDPA with a dense mask, and the GPU path is
+#: ``packed`` (TE varlen attention); see :mod:`megatron_jf.training.attention_paths`.
+ATTENTION_PATHS = ("two_stream", "dense", "packed")
 MASKS = ("nc", "nc_ic", "clean")
 NOISE_SCHEDULES = ("progressive", "reverse", "random")
 CONSISTENCY_POSITIONS = ("all", "from_first_diff")
+#: The consistency losses (:class:`~megatron_jf.training.losses.LossConfig`): KL (paper Eq. 8), the official
+#: code's soft cross-entropy, CE on the fixed-point tokens.
+CONSISTENCY_LOSSES = ("kl", "soft_ce", "hard")
+#: How L_pc is normalised: the paper's per-block mean then 1/N over blocks, or the official code's.
+PC_NORMALIZATIONS = ("paper", "reference")
 PRECISIONS = ("auto", "fp32", "bf16")
+TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 #: megatron-core ``recompute_modules`` that apply to a dense (non-MoE, non-MLA) GPT layer.
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
 
+@dataclass(frozen=True)
+class LossConfig:
+    """Loss hyper-parameters (the sources of the defaults: :mod:`megatron_jf.training.losses`).
+
+    Attributes:
+        consistency_loss: ``"kl"`` | ``"soft_ce"`` | ``"hard"``.
+        temperature: softmax temperature ``tau > 0`` for ``"kl"``/``"soft_ce"``.
+        pc_weight: weight of L_pc (>= 0).
+        ar_weight: weight ``w`` of L_AR (>= 0).
+        pc_normalization: ``"paper"`` | ``"reference"``.
+        anchor_weight: weight ``lambda`` of the anchor term L_anchor (>= 0; 0 = off).
+
+    Raises:
+        ValueError: unknown loss kind or normalisation, non-positive temperature, negative weights.
+    """
+
+    consistency_loss: str = "kl"
+    temperature: float = 1.0
+    pc_weight: float = 1.0
+    ar_weight: float = 1.0
+    pc_normalization: str = "paper"
+    anchor_weight: float = 0.0
+
+    def __post_init__(self):
+        if self.consistency_loss not in CONSISTENCY_LOSSES:
+            raise ValueError(f"unknown consistency loss {self.consistency_loss!r}; expected one of {CONSISTENCY_LOSSES}")
+        if self.pc_normalization not in PC_NORMALIZATIONS:
+            raise ValueError(f"unknown pc normalization {self.pc_normalization!r}; expected one of {PC_NORMALIZATIONS}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.pc_weight < 0 or self.ar_weight < 0 or self.anchor_weight < 0:
+            raise ValueError(f"loss weights must be >= 0, got pc_weight={self.pc_weight}, ar_weight={self.ar_weight}, "
+                             f"anchor_weight={self.anchor_weight}")
+
+
+
+#: ``(first field, title)`` of each ``--help`` group, in declaration order.
+GROUPS = (("tp", "parallelism and runtime"), ("recompute_granularity", "activation recomputation (Megatron-LM flags)"),
+          ("hf_config", "model"), ("objective", "data"), ("attention_path", "Jacobi Forcing objective"),
+          ("micro_batch_size", "optimisation"), ("save", "checkpointing"), ("log_interval", "logging and validation"))
+
 
 @dataclass
 class TrainConfig:
-    """Every knob of a training run, grouped by concern (the CLI mirrors the groups).
+    """Every knob of a training run, grouped by concern (the command line mirrors the groups).
 
-    Defaults marked *reference* come from the official Jacobi Forcing training scripts
-    (``shared/research/jf_reference.md`` Sec. 6.4: AdamW betas (0.9, 0.95), eps 1e-8, effective weight
-    decay 0.01, LR 1e-5 for n=32, cosine schedule with 3% warmup, block size 32, window 16).
+    Defaults marked *official code* come from the official Jacobi Forcing training scripts (AdamW betas
+    (0.9, 0.95), eps 1e-8, effective weight decay 0.01, cosine schedule with 3% warmup, window 16); the paper
+    (Sec. 4.1) gives lr 1e-6 and batch size 4.
     """
 
     # --- parallelism / runtime
-    tp: int = 1
+    tp: int = cli_field(1, *cli.TP_FLAGS[1:])
     """Tensor-parallel size."""
-    pp: int = 1
+    pp: int = cli_field(1, *cli.PP_FLAGS[1:])
     """Pipeline-parallel size (data-parallel size = world / (tp * pp))."""
     use_megatron_optimizer: bool | None = None
-    """megatron DDP + optimizer (GPU only); None = on iff CUDA is available."""
+    """megatron DDP + optimizer (GPU path); default: on iff CUDA is available."""
     use_distributed_optimizer: bool = False
-    """Shard optimizer state over DP (megatron DistributedOptimizer; GPU path only)."""
+    """Shard optimizer state over DP (megatron DistributedOptimizer; GPU path)."""
     overlap_grad_reduce: bool = False
     """megatron DDP: reduce (reduce-scatter with the distributed optimizer) gradient buckets during the
     backward of the last microbatch instead of after it (GPU path)."""
     overlap_param_gather: bool = False
     """megatron DDP: all-gather the updated parameter shards bucket by bucket during the next forward instead
-    of at the end of the optimizer step (GPU path; needs the distributed optimizer and overlap_grad_reduce)."""
+    of at the end of the optimizer step (GPU path; needs --use-distributed-optimizer and --overlap-grad-reduce)."""
     ddp_bucket_size: int | None = None
-    """megatron DDP gradient bucket size in parameters (None: megatron-core's default, max(4e7, 1e6 x dp))."""
+    """megatron DDP gradient bucket size in parameters; default: megatron-core's, max(4e7, 1e6 x dp)."""
     sequence_parallel: bool = False
-    """Megatron-LM ``--sequence-parallel`` (tp > 1): norms and residuals run on ``S / tp`` positions per TP
+    """Megatron-LM's sequence parallelism (needs --tp > 1): norms and residuals run on ``S / tp`` positions per TP
     rank (activations between the TP regions split over the TP group); loss rows are gathered from the shards."""
-    precision: str = "auto"
-    """``auto`` (bf16 on GPU with the megatron optimizer, else fp32) | ``fp32`` | ``bf16``."""
+    precision: str = cli_field("auto", choices=PRECISIONS, const_aliases={"--bf16": "bf16"})
+    """Weights/activations dtype: ``auto`` (bf16 on GPU with the megatron optimizer, else fp32), ``fp32`` or
+    ``bf16``."""
     threads: int | None = None
-    """torch intra-op threads per process (CPU); None keeps torch's default."""
+    """torch intra-op threads per process; default: torch's choice (OMP_NUM_THREADS, else one per core)."""
     seed: int = 1234
     """Seed of weight init (from scratch), data order and the random noise schedule."""
-    transformer_impl: str = "auto"
+    transformer_impl: str = cli_field("auto", choices=TRANSFORMER_IMPLS)
     """Layer spec (Megatron-LM's ``--transformer-impl``): ``transformer_engine`` (fused norm + projections; needs TE
     and CUDA), ``local`` (megatron-core's own modules) or ``auto`` (TE where present)."""
 
     # --- activation recomputation (Megatron-LM's flags and meaning; megatron-core TransformerConfig fields)
-    recompute_granularity: str | None = None
-    """``full``: keep only each recomputed chunk's input and rerun the whole layers in the backward;
-    ``selective``: rerun only ``recompute_modules`` (default core attention); None: save everything."""
-    recompute_method: str | None = None
-    """``full`` only: ``uniform`` (every layer, in chunks of ``recompute_num_layers``) | ``block`` (the first
-    ``recompute_num_layers`` layers of each pipeline stage)."""
+    recompute_granularity: str | None = cli_field(None, choices=RECOMPUTE_GRANULARITIES)
+    """``full``: keep only each recomputed chunk's input and rerun whole layers in the backward; ``selective``:
+    rerun only --recompute-modules (core attention); default: off, everything is saved."""
+    recompute_method: str | None = cli_field(None, choices=RECOMPUTE_METHODS)
+    """``full`` only: ``uniform`` recomputes every layer in chunks of --recompute-num-layers; ``block`` the first
+    --recompute-num-layers layers of each pipeline stage."""
     recompute_num_layers: int | None = None
     """``full`` only: layers per recomputed chunk (uniform) or recomputed layers per stage (block)."""
-    recompute_modules: list[str] | None = None
-    """``selective`` only: submodules to rerun (megatron-core default ``["core_attn"]``)."""
+    recompute_modules: list[str] | None = cli_field(None, choices=RECOMPUTE_MODULES)
+    """``selective`` only: submodules to rerun; default: megatron-core's, ``core_attn``."""
 
     # --- model
     hf_config: str | None = None
-    """Directory with an HF ``config.json``: the architecture for training from scratch."""
+    """Directory with an HF ``config.json``: the architecture, for training from scratch."""
     load: str | None = None
-    """Checkpoint to initialise the weights from (e.g. converted with tools/convert_hf.py)."""
+    """Checkpoint to initialise the weights from (iteration 0; e.g. converted with tools/convert_hf.py)."""
 
     # --- data
-    objective: str = "jf"
-    """``jf`` (trajectory shards) | ``ar`` (next-token on token data)."""
-    data: list[str] = field(default_factory=list)
-    """Training data: shard dirs/globs/manifests (jf) or token files (ar)."""
-    valid_data: list[str] | None = None
+    objective: str = cli_field("jf", choices=OBJECTIVES)
+    """``jf``: Jacobi Forcing on trajectory shards; ``ar``: next-token training on token data."""
+    data: list[str] = cli_field(dataclasses.MISSING, "--data-path", default_factory=list, required=True)
+    """Training data: shard directories/globs/manifests (jf) or token files (ar)."""
+    valid_data: list[str] | None = cli_field(None, "--valid-data-path")
     """Held-out data in the same format."""
     block_size: int | None = None
-    """``n``: the block size the shards must have (jf; required)."""
+    """Block size n the shards must have (required for --objective jf)."""
     window_size: int = 16
-    """Noise-schedule window ``w`` (paper Eq. 7; reference 16 for n=32); also the NC-IC window."""
-    noise_schedule: str = "progressive"
-    """``progressive`` (paper Eq. 7) | ``reverse`` | ``random``."""
-    consistency_positions: str = "all"
-    """``all`` pairs every (block, offset) | ``from_first_diff`` (reference: offsets from the first noisy token)."""
+    """Noise window w of the progressive schedule (paper Eq. 7; official code: 16 for n=32); also the NC-IC
+    window."""
+    noise_schedule: str = cli_field("progressive", choices=NOISE_SCHEDULES)
+    """Noise schedule within a window: ``progressive`` (paper Eq. 7), ``reverse`` or ``random``."""
+    consistency_positions: str = cli_field("all", choices=CONSISTENCY_POSITIONS)
+    """Which (block, offset) pairs carry L_pc: ``all``, or ``from_first_diff`` (official code: offsets from the
+    first noisy token)."""
     seq_length: int | None = None
-    """Model-input row length. jf: maximum (two-stream ``P+R``, dense ``P+2R``), padded to it when pp > 1
-    without ``variable_seq_lengths``; default the model context (dense: twice it). ar: tokens per sample
+    """Model-input row length bound. jf: maximum (two-stream ``P+R``, dense ``P+2R``), padded to it when --pp > 1
+    with --no-variable-seq-lengths; default: the model context (dense path: twice it). ar: tokens per sample
     (required)."""
     variable_seq_lengths: bool = True
-    """pp > 1: each microbatch keeps its own row length (megatron-core ``variable_seq_lengths``: the pipeline
-    stages exchange activation shapes before each send) instead of padding every row to ``seq_length``."""
-    tokenizer: str | None = None
-    """Tokenizer directory (ar objective with JSONL text)."""
+    """--pp > 1: each microbatch keeps its own row length (megatron-core ``variable_seq_lengths``: the pipeline
+    stages exchange activation shapes before each send); --no-variable-seq-lengths pads every row to
+    --seq-length."""
+    tokenizer: str | None = cli_field(None, *cli.TOKENIZER_FLAGS[1:])
+    """Tokenizer directory (ar objective with JSONL text, anchor JSONL)."""
     num_workers: int = 0
-    """DataLoader worker processes per rank (0 = read in the training process)."""
+    """DataLoader worker processes per rank (0: read in the training process)."""
 
     # --- JF objective
-    attention_path: str = "two_stream"
-    """``two_stream`` (nc only, causal kernels) | ``dense`` (explicit mask) | ``flex`` (not implemented)."""
-    mask: str = "nc"
-    """``nc`` (paper) | ``nc_ic`` (Table 5) | ``clean`` (CLLM)."""
-    consistency_loss: str = "kl"
-    """``kl`` (paper Eq. 8) | ``soft_ce`` (reference code) | ``hard`` (CE on fixed-point tokens)."""
+    attention_path: str = cli_field("two_stream", choices=ATTENTION_PATHS)
+    """How the noisy and clean streams are attended: ``two_stream`` (exact for --mask nc, stock causal kernels),
+    ``dense`` (an explicit mask, any --mask) or ``packed`` (both streams of every sample in one THD row, TE varlen
+    attention on GPU)."""
+    mask: str = cli_field("nc", choices=MASKS)
+    """Attention mask of the noisy stream: ``nc`` (paper), ``nc_ic`` (paper Table 5) or ``clean`` (CLLM)."""
+    consistency_loss: str = cli_field("kl", choices=CONSISTENCY_LOSSES)
+    """``kl`` (paper Eq. 8), ``soft_ce`` (official code) or ``hard`` (CE on the fixed-point tokens)."""
     kl_temperature: float = 1.0
-    """Softmax temperature of the consistency loss (reference effective value 1)."""
+    """Softmax temperature of the consistency loss (official code's effective value: 1)."""
     pc_weight: float = 1.0
     """Weight of L_pc."""
     ar_weight: float = 1.0
-    """Weight ``w`` of L_AR (paper Eq. 9; reference code uses 10)."""
-    pc_normalization: str = "paper"
-    """``paper`` (per-block mean, then 1/N over blocks) | ``reference`` (mean over positions / N)."""
+    """Weight of L_AR (paper Eq. 9: L = L_pc + w L_AR, the same symbol as the window w of Eq. 7; official code:
+    10)."""
+    pc_normalization: str = cli_field("paper", choices=PC_NORMALIZATIONS)
+    """``paper``: per-block mean, then 1/N over blocks; ``reference``: the official code's mean over positions
+    / N."""
     loss_chunk_size: int = 1024
-    """Loss rows per chunk of the fused output layer + JF loss (peak temporaries ``O(chunk x V_local)``,
-    :func:`megatron_jf.training.losses.loss_temporary_bytes`); 0 = all rows in one chunk."""
-    anchor_data: list[str] | None = None
-    """Real-text token files (``.npy``/``.bin``/``.jsonl`` as ``--objective ar``; JSONL needs ``--tokenizer``)
-    for the anchor term L_anchor (next-token CE on real text, trained in the same steps)."""
+    """Loss rows per chunk of the fused output layer + JF loss (peak temporaries O(chunk x vocab/tp),
+    :func:`megatron_jf.training.losses.loss_temporary_bytes`); 0: all rows in one chunk."""
+    anchor_data: list[str] | None = cli_field(None, metavar="PATH")
+    """Real-text token files (``.npy``/``.bin``/``.jsonl`` as --objective ar; JSONL needs --tokenizer) for the
+    anchor term L_anchor (next-token CE on real text, trained in the same steps)."""
     anchor_weight: float = 0.0
-    """Weight ``lambda`` of L_anchor (0 = off; > 0 needs ``--anchor-data``)."""
+    """Weight lambda of L_anchor (0: off; > 0 needs --anchor-data)."""
     anchor_seq_length: int = 256
-    """Tokens per anchor row (<= the model context; <= ``--seq-length`` when rows are padded to it)."""
+    """Tokens per anchor row (<= the model context; <= --seq-length when rows are padded to it)."""
     anchor_micro_batch_size: int | None = None
-    """Anchor text rows per JF microbatch; default ``--micro-batch-size``."""
+    """Anchor text rows per JF microbatch; default: --micro-batch-size."""
 
     # --- optimisation
     micro_batch_size: int = 1
-    """Samples per microbatch per DP rank (reference: 1)."""
+    """Samples per microbatch per data-parallel rank (official code: 1)."""
     global_batch_size: int | None = None
-    """Samples per optimizer step over all DP ranks; default micro_batch_size * dp."""
+    """Samples per optimizer step over all data-parallel ranks, a multiple of micro-batch-size x dp; default:
+    micro-batch-size x dp."""
     lr: float = 1e-5
-    """Peak learning rate (reference n=32 stage: 1e-5; n=64 stage: 1e-6)."""
+    """Peak learning rate (paper Sec. 4.1: 1e-6; 1e-5 is the official code's n=32 script)."""
     min_lr: float = 0.0
-    """Final learning rate of the cosine decay (reference: 0)."""
-    warmup_steps: int | None = None
-    """Linear warmup steps; default ceil(3% of train_steps) (reference)."""
-    train_steps: int = 0
-    """Optimizer steps to train (required)."""
+    """Final learning rate of the cosine decay (official code: 0)."""
+    warmup_steps: int | None = cli_field(None, "--lr-warmup-iters")
+    """Linear warmup steps; default: 3% of --train-steps (official code; the paper states none)."""
+    train_steps: int = cli_field(0, "--train-iters", required=True)
+    """Optimizer steps to train."""
     weight_decay: float = 0.01
-    """AdamW decoupled weight decay on matrices (not biases/norms) (reference effective 0.01)."""
+    """AdamW decoupled weight decay on matrices, none on biases and norms (official code's effective value)."""
     adam_beta1: float = 0.9
+    """AdamW beta1."""
     adam_beta2: float = 0.95
+    """AdamW beta2."""
     adam_eps: float = 1e-8
+    """AdamW epsilon."""
     clip_grad: float = 1.0
-    """Global gradient-norm clip (0 disables; HF Trainer default used by the reference)."""
+    """Global gradient-norm clip, 0 disables (official code: HF Trainer's 1.0)."""
 
     # --- checkpointing
     save: str | None = None
-    """Checkpoint directory: saved every save_interval steps and at the end; resumed from if it holds one."""
+    """Checkpoint directory: saved every --save-interval steps and at the end; a run resumes from its latest
+    checkpoint."""
     save_interval: int | None = None
+    """Save every this many steps; default: only at the end."""
     keep_last: int | None = None
-    """Keep only this many newest checkpoints."""
+    """Keep only this many newest checkpoints; default: keep all."""
     exit_interval: int | None = None
-    """Stop (after saving) once the iteration is a multiple of this."""
+    """Save and stop at a multiple of this iteration; default: never."""
 
     # --- logging / validation
     log_interval: int = 10
+    """Print metrics every this many steps."""
     eval_interval: int | None = None
+    """Validate every this many steps (needs --valid-data); default: never."""
     eval_iters: int | None = None
-    """Validation microbatches per evaluation (default: the whole validation set)."""
+    """Validation microbatches per evaluation; default: the whole validation set."""
     log_file: str | None = None
-    """Append one JSON line per log/eval event (rank 0)."""
+    """JSONL metrics file: one line per log/eval event, appended on rank 0."""
     tensorboard_dir: str | None = None
     """TensorBoard event directory (only if ``tensorboard`` is installed)."""
     progress: bool = True
-    """Show a progress bar on rank 0."""
+    """Progress bar on rank 0."""
 
     # ------------------------------------------------------------------------------------------
     def loss_config(self) -> LossConfig:
+        """The :class:`LossConfig` of the loss options (validates them)."""
         return LossConfig(consistency_loss=self.consistency_loss, temperature=self.kl_temperature,
                           pc_weight=self.pc_weight, ar_weight=self.ar_weight,
                           pc_normalization=self.pc_normalization, anchor_weight=self.anchor_weight)
@@ -251,9 +322,6 @@ class TrainConfig:
         if self.objective == "jf":
             need(self.block_size is not None and self.block_size >= 1,
                  "--block-size is required for --objective jf (the block size n of the trajectory shards)")
-            if self.attention_path == "flex":
-                raise NotImplementedError("--attention-path flex is not implemented (use dense or two_stream); "
-                                          "TODO: FlexAttention / TE arbitrary-mask attention on GPU")
             need(not (self.attention_path == "two_stream" and self.mask != "nc"),
                  f"--attention-path two_stream is exact only for --mask nc (got --mask {self.mask}); "
                  "use --attention-path dense")
@@ -318,175 +386,20 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Every option's help ends with its default: ``(default: X)``, or ``(required)``; a help text that
-    already states its default ("default: 3% of --train-steps") is left as written."""
-
-    def _get_help_string(self, action):
-        h = action.help or ""
-        if "default:" in h.lower() or action.default is argparse.SUPPRESS:
-            return h
-        if action.required:
-            return h + " (required)"
-        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
-            return h + f" (default: {'on' if action.default else 'off'})"
-        return h + " (default: %(default)s)"
-
-
 def build_parser() -> argparse.ArgumentParser:
-    """The ``pretrain_jf.py`` command line (unknown options are an argparse error).
+    """The ``pretrain_jf.py`` command line, generated from :class:`TrainConfig` (one flag per field, help from the
+    field's docstring, grouped by :data:`GROUPS`; unknown options are an argparse error).
 
     Megatron-LM's flag names are accepted where the concept is the same (``--tensor-model-parallel-size``
     = ``--tp``, ``--pipeline-model-parallel-size`` = ``--pp``, ``--train-iters`` = ``--train-steps``,
     ``--lr-warmup-iters`` = ``--warmup-steps``, ``--data-path`` = ``--data``, ``--valid-data-path`` =
-    ``--valid-data``, ``--tokenizer-model`` = ``--tokenizer``, ``--bf16`` = ``--precision bf16``); the
-    shared names (``--micro-batch-size``, ``--lr``, ``--clip-grad``, ``--save-interval`` ...) mean what they
-    mean there. Every option's help shows its default.
+    ``--valid-data``, ``--tokenizer-model`` = ``--tokenizer``, ``--bf16`` = ``--precision bf16``), and vLLM's
+    ``--tensor-parallel-size`` / ``--pipeline-parallel-size``; the shared names (``--micro-batch-size``, ``--lr``,
+    ``--clip-grad``, ``--save-interval`` ...) mean what they mean there. Every option's help shows its default.
     """
-    d = TrainConfig()
-    p = argparse.ArgumentParser(
-        prog="pretrain_jf.py",
-        description="Jacobi Forcing training on megatron-core (paper arXiv 2512.14681, Sec. 3.1). "
-                    "Megatron-LM flag names are accepted where the concept matches.",
-        formatter_class=_HelpFormatter, allow_abbrev=False)
-
-    def opt_bool(g, name, help):
-        g.add_argument(name, action=argparse.BooleanOptionalAction, default=None, help=help)
-
-    g = p.add_argument_group("parallelism and runtime")
-    g.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=d.tp,
-                   help="tensor-parallel size")
-    g.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=d.pp,
-                   help="pipeline-parallel size (data-parallel size = world / (tp * pp))")
-    opt_bool(g, "--use-megatron-optimizer", "megatron DDP + optimizer (default: on iff CUDA is available)")
-    g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="shard optimizer state over DP (megatron DistributedOptimizer; GPU)")
-    g.add_argument("--overlap-grad-reduce", action="store_true",
-                   help="megatron DDP: reduce gradient buckets during the backward (GPU path)")
-    g.add_argument("--overlap-param-gather", action="store_true",
-                   help="megatron DDP: all-gather updated parameters during the next forward (GPU path; needs "
-                        "--use-distributed-optimizer --overlap-grad-reduce)")
-    g.add_argument("--ddp-bucket-size", type=int, default=None,
-                   help="megatron DDP bucket size in parameters (default: megatron-core's, max(4e7, 1e6 x dp))")
-    g.add_argument("--sequence-parallel", action="store_true",
-                   help="split norms/residuals over the TP group along the sequence (needs --tp > 1)")
-    g.add_argument("--precision", choices=PRECISIONS, default=d.precision,
-                   help="weights/activations dtype (auto: bf16 on GPU with the megatron optimizer, else fp32)")
-    g.add_argument("--bf16", dest="precision", action="store_const", const="bf16", default=argparse.SUPPRESS,
-                   help="Megatron-LM spelling of --precision bf16 (default: off, i.e. --precision's default)")
-    g.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads per process (CPU; default: torch's own choice)")
-    g.add_argument("--seed", type=int, default=d.seed, help="seed for init, data order and noise")
-    g.add_argument("--transformer-impl", choices=("auto", "local", "transformer_engine"), default=d.transformer_impl,
-                   help="layer spec: transformer_engine (needs TE + CUDA), local, or auto (TE where present)")
-
-    g = p.add_argument_group("activation recomputation (Megatron-LM flags)")
-    g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
-                   help="full: save only each chunk's input and rerun whole layers in the backward; selective: "
-                        "rerun --recompute-modules (core attention) only (default: off, everything is saved)")
-    g.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, default=None,
-                   help="full only: uniform recomputes every layer in chunks of --recompute-num-layers; block "
-                        "recomputes the first --recompute-num-layers layers of each pipeline stage")
-    g.add_argument("--recompute-num-layers", type=int, default=None,
-                   help="full only: layers per chunk (uniform) or recomputed layers per stage (block)")
-    g.add_argument("--recompute-modules", nargs="+", choices=RECOMPUTE_MODULES, default=None,
-                   help="selective only: submodules to rerun (default: megatron-core's, core_attn)")
-
-    g = p.add_argument_group("model")
-    g.add_argument("--hf-config", default=None, help="HF directory with config.json (train from scratch)")
-    g.add_argument("--load", default=None, help="checkpoint to initialise the weights from (iteration 0)")
-
-    g = p.add_argument_group("data")
-    g.add_argument("--objective", choices=OBJECTIVES, default=d.objective, help="jf: trajectories; ar: next-token")
-    g.add_argument("--data", "--data-path", dest="data", nargs="+", required=True,
-                   help="training shards (dir/glob/manifest) for jf, or token files for ar")
-    g.add_argument("--valid-data", "--valid-data-path", dest="valid_data", nargs="+", default=None,
-                   help="held-out data in the same format")
-    g.add_argument("--block-size", type=int, default=None,
-                   help="block size n of the shards (required for --objective jf)")
-    g.add_argument("--window-size", type=int, default=d.window_size,
-                   help="noise window w of the progressive schedule (paper Eq. 7); also the NC-IC window")
-    g.add_argument("--noise-schedule", choices=NOISE_SCHEDULES, default=d.noise_schedule,
-                   help="noise schedule within a window (progressive: paper Eq. 7)")
-    g.add_argument("--consistency-positions", choices=CONSISTENCY_POSITIONS, default=d.consistency_positions,
-                   help="which (block, offset) pairs carry L_pc (from_first_diff: official code)")
-    g.add_argument("--seq-length", type=int, default=None,
-                   help="model-input row length bound; rows are padded to it when --pp > 1 with "
-                        "--no-variable-seq-lengths (default: the model context; dense path: twice it)")
-    g.add_argument("--variable-seq-lengths", action=argparse.BooleanOptionalAction, default=d.variable_seq_lengths,
-                   help="--pp > 1: each microbatch keeps its own row length (stages exchange shapes, megatron-core "
-                        "variable_seq_lengths); --no-variable-seq-lengths pads every row to --seq-length")
-    g.add_argument("--tokenizer", "--tokenizer-model", dest="tokenizer", default=None,
-                   help="tokenizer directory (ar objective with JSONL text, anchor JSONL)")
-    g.add_argument("--num-workers", type=int, default=d.num_workers, help="DataLoader worker processes per rank")
-
-    g = p.add_argument_group("Jacobi Forcing objective")
-    g.add_argument("--attention-path", choices=ATTENTION_PATHS, default=d.attention_path,
-                   help="how the noisy and clean streams are attended (two_stream: exact for --mask nc; packed: "
-                        "both streams of every sample in one THD row, TE varlen attention on GPU)")
-    g.add_argument("--mask", choices=MASKS, default=d.mask,
-                   help="attention mask of the noisy stream (nc: paper; nc_ic: Table 5; clean: CLLM)")
-    g.add_argument("--consistency-loss", choices=CONSISTENCY_LOSSES, default=d.consistency_loss,
-                   help="kl: paper Eq. 8; soft_ce: official code; hard: CE on fixed-point tokens")
-    g.add_argument("--kl-temperature", type=float, default=d.kl_temperature,
-                   help="softmax temperature of the consistency loss")
-    g.add_argument("--pc-weight", type=float, default=d.pc_weight, help="weight of L_pc")
-    g.add_argument("--ar-weight", type=float, default=d.ar_weight,
-                   help="weight of L_AR (paper Eq. 9: L = L_pc + w L_AR, the same symbol as the window w of Eq. 7; "
-                        "official code: 10)")
-    g.add_argument("--pc-normalization", choices=PC_NORMALIZATIONS, default=d.pc_normalization,
-                   help="paper: per-block mean, then 1/N over blocks; reference: official code's mean over "
-                        "positions / N")
-    g.add_argument("--loss-chunk-size", type=int, default=d.loss_chunk_size,
-                   help="loss rows per chunk of the fused output layer + loss (memory O(chunk x vocab/tp); "
-                        "0 = one chunk)")
-    g.add_argument("--anchor-data", nargs="+", default=None, metavar="PATH",
-                   help="real-text token files (.npy/.bin/.jsonl) for the anchor term (next-token CE on real "
-                        "text in the same steps; JSONL needs --tokenizer)")
-    g.add_argument("--anchor-weight", type=float, default=d.anchor_weight,
-                   help="weight of the anchor term (0 = off; > 0 needs --anchor-data)")
-    g.add_argument("--anchor-seq-length", type=int, default=d.anchor_seq_length, help="tokens per anchor row")
-    g.add_argument("--anchor-micro-batch-size", type=int, default=None,
-                   help="anchor text rows per JF microbatch (default: --micro-batch-size)")
-
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size,
-                   help="samples per microbatch per data-parallel rank")
-    g.add_argument("--global-batch-size", type=int, default=None,
-                   help="samples per optimizer step over all DP ranks; a multiple of micro-batch-size x dp "
-                        "(default: micro-batch-size x dp)")
-    g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (paper Sec. 4.1: 1e-6; 1e-5 is the official code's n=32 script)")
-    g.add_argument("--min-lr", type=float, default=d.min_lr, help="final learning rate of the cosine decay (official code: 0)")
-    g.add_argument("--warmup-steps", "--lr-warmup-iters", dest="warmup_steps", type=int, default=None,
-                   help="linear warmup steps (default: 3%% of --train-steps, official code; the paper states none)")
-    g.add_argument("--train-steps", "--train-iters", dest="train_steps", type=int, required=True,
-                   help="optimizer steps to train")
-    g.add_argument("--weight-decay", type=float, default=d.weight_decay,
-                   help="AdamW decoupled weight decay on matrices, none on biases and norms (official code's effective value)")
-    g.add_argument("--adam-beta1", type=float, default=d.adam_beta1, help="AdamW beta1")
-    g.add_argument("--adam-beta2", type=float, default=d.adam_beta2, help="AdamW beta2")
-    g.add_argument("--adam-eps", type=float, default=d.adam_eps, help="AdamW epsilon")
-    g.add_argument("--clip-grad", type=float, default=d.clip_grad, help="global gradient-norm clip, 0 disables (official code: HF Trainer's 1.0)")
-
-    g = p.add_argument_group("checkpointing")
-    g.add_argument("--save", default=None, help="checkpoint dir (resumes from its latest checkpoint)")
-    g.add_argument("--save-interval", type=int, default=None,
-                   help="save every this many steps (default: only at the end)")
-    g.add_argument("--keep-last", type=int, default=None, help="keep only this many newest checkpoints "
-                   "(default: keep all)")
-    g.add_argument("--exit-interval", type=int, default=None,
-                   help="save and stop at a multiple of this iteration (default: never)")
-
-    g = p.add_argument_group("logging and validation")
-    g.add_argument("--log-interval", type=int, default=d.log_interval, help="print metrics every this many steps")
-    g.add_argument("--eval-interval", type=int, default=None,
-                   help="validate every this many steps (default: never; needs --valid-data)")
-    g.add_argument("--eval-iters", type=int, default=None,
-                   help="validation microbatches per evaluation (default: the whole validation set)")
-    g.add_argument("--log-file", default=None, help="JSONL metrics file, appended on rank 0")
-    g.add_argument("--tensorboard-dir", default=None, help="TensorBoard event directory")
-    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=d.progress,
-                   help="progress bar on rank 0")
+    p = cli.parser("Jacobi Forcing training on megatron-core (paper arXiv 2512.14681, Sec. 3.1). Megatron-LM flag "
+                   "names are accepted where the concept matches.", prog="pretrain_jf.py")
+    cli.add_dataclass_arguments(p, TrainConfig, groups=GROUPS)
     return p
 
 

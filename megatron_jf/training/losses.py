@@ -65,6 +65,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+# the option values and their dataclass live with the command line (torch-free: pretrain_jf.py validates its
+# arguments before importing torch); re-exported here
+from megatron_jf.training.config import CONSISTENCY_LOSSES, PC_NORMALIZATIONS, LossConfig  # noqa: F401
+
 __all__ = [
     "IGNORE_INDEX",
     "CONSISTENCY_LOSSES",
@@ -88,48 +92,11 @@ __all__ = [
 ]
 
 IGNORE_INDEX = -100
-CONSISTENCY_LOSSES = ("kl", "soft_ce", "hard")
-PC_NORMALIZATIONS = ("paper", "reference")
 #: Keys of the report dict returned by :func:`jf_loss` / :func:`ar_loss`; each value is a float64
 #: tensor ``[2] = (sum, count)`` so that microbatches and data-parallel ranks reduce by summing.
 METRIC_KEYS = ("loss", "pc loss", "ar loss", "noisy acc")
 #: Report key of the anchor term (present only in reports of microbatches that carry anchor rows).
 ANCHOR_METRIC = "anchor loss"
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """Loss hyper-parameters (see the module docstring for the sources of the defaults).
-
-    Attributes:
-        consistency_loss: ``"kl"`` | ``"soft_ce"`` | ``"hard"``.
-        temperature: softmax temperature ``tau > 0`` for ``"kl"``/``"soft_ce"``.
-        pc_weight: weight of L_pc (>= 0).
-        ar_weight: weight ``w`` of L_AR (>= 0).
-        pc_normalization: ``"paper"`` | ``"reference"``.
-        anchor_weight: weight ``lambda`` of the anchor term L_anchor (>= 0; 0 = off).
-
-    Raises:
-        ValueError: unknown loss kind or normalisation, non-positive temperature, negative weights.
-    """
-
-    consistency_loss: str = "kl"
-    temperature: float = 1.0
-    pc_weight: float = 1.0
-    ar_weight: float = 1.0
-    pc_normalization: str = "paper"
-    anchor_weight: float = 0.0
-
-    def __post_init__(self):
-        if self.consistency_loss not in CONSISTENCY_LOSSES:
-            raise ValueError(f"unknown consistency loss {self.consistency_loss!r}; expected one of {CONSISTENCY_LOSSES}")
-        if self.pc_normalization not in PC_NORMALIZATIONS:
-            raise ValueError(f"unknown pc normalization {self.pc_normalization!r}; expected one of {PC_NORMALIZATIONS}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if self.pc_weight < 0 or self.ar_weight < 0 or self.anchor_weight < 0:
-            raise ValueError(f"loss weights must be >= 0, got pc_weight={self.pc_weight}, ar_weight={self.ar_weight}, "
-                             f"anchor_weight={self.anchor_weight}")
 
 
 # ----------------------------------------------------------------------------- TP helpers

@@ -68,7 +68,6 @@ import json
 import math
 import os
 import random
-import signal
 import sys
 import time
 
@@ -115,10 +114,6 @@ __all__ = [
     "clip_grad_norm_tp",
     "effective_seq_length",
 ]
-
-#: Fault injection for tests: SIGKILL the process right after this (1-based) step, before any save.
-FAULT_ENV = "MEGATRON_JF_FAULT_KILL_AT_STEP"
-
 
 class Trainer:
     """Owns model, optimizer, data streams and checkpoints of one run (see the module docstring).
@@ -592,7 +587,6 @@ class Trainer:
     def train(self) -> list[dict]:
         """Train until ``--train-steps`` (or ``--exit-interval``); returns the per-step metrics."""
         cfg = self.cfg
-        fault = int(os.environ.get(FAULT_ENV, "0") or 0)
         self._bar = None
         if cfg.progress and parallel.is_rank0():
             try:
@@ -623,8 +617,6 @@ class Trainer:
                     self._print(self._format("train", lm))
                     self._log_event("train", lm)
                     acc, nacc = {}, 0
-                if fault and it == fault:
-                    os.kill(os.getpid(), signal.SIGKILL)
                 if cfg.eval_interval and it % cfg.eval_interval == 0:
                     em = self.evaluate()
                     self._print(self._format("valid", em))
