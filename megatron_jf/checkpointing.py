@@ -38,6 +38,7 @@ import os
 import queue
 import re
 import shutil
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -80,7 +81,8 @@ def _read_pointer(ckpt_dir: str) -> tuple[int, str] | None:
     if not os.path.isfile(path):
         return None
     try:
-        text = open(path, encoding="utf-8").read().strip()
+        with open(path, encoding="utf-8") as f:
+            text = f.read().strip()
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointFileError(f"{path}: unreadable checkpoint pointer ({type(e).__name__}: {e})") from None
     if text == RELEASE:
@@ -137,24 +139,28 @@ def checkpoint_path(ckpt_dir: str, iteration: int | None = None) -> str:
                             f"{_complete_iterations(ckpt_dir) or 'none'}")
 
 
-def read_meta(ckpt_dir: str, iteration: int | None = None) -> dict:
+def read_meta(ckpt_dir: str, iteration: int | None = None, *, verify: bool = False) -> dict:
     """Metadata of a checkpoint: ``model_args``, ``iteration``, ``tp``, ``pp``, ``common``, ``path``.
 
     From ``jf_meta.json``, or for a Megatron-LM checkpoint (none there) from the ``args`` in its common state.
+    ``verify``: also check the weight files (:func:`verify_checkpoint_files`; loading always does), so a tool
+    stops on a damaged checkpoint before any other work.
 
     Raises:
         FileNotFoundError: no checkpoint in ``ckpt_dir`` or no such iteration.
-        CheckpointFileError: a missing, truncated or foreign checkpoint file (:func:`verify_checkpoint_files`),
-            naming it; a corrupt pointer file.
+        CheckpointFileError: a corrupt pointer file; with ``verify`` (or a Megatron-LM checkpoint, whose metadata
+            is read from the weight files), a missing, truncated or foreign checkpoint file, naming it.
         ValueError: unknown format, corrupt metadata, or Megatron-LM arguments of an unsupported model.
     """
     d = checkpoint_path(ckpt_dir, iteration)
-    verify_checkpoint_files(d)
     path = os.path.join(d, META)
+    if verify or not os.path.isfile(path):
+        verify_checkpoint_files(d)
     if not os.path.isfile(path):
         return _meta_from_megatron_lm(d)
     try:
-        meta = json.load(open(path))
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointFileError(f"{path}: corrupt checkpoint metadata ({type(e).__name__}: {e})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
@@ -306,7 +312,8 @@ def verify_checkpoint_files(d: str) -> None:
         raise CheckpointFileError(f"{cfg_path}: missing (dist_checkpointing's format file; {d} is not a complete "
                                   "megatron checkpoint)")
     try:
-        cfg = json.load(open(cfg_path, encoding="utf-8"))
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointFileError(f"{cfg_path}: not dist_checkpointing's format file ({type(e).__name__}: {e})") \
             from None
@@ -376,7 +383,12 @@ def _load_sharded(state: dict, path: str) -> dict:
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        return dist_checkpointing.load(state, path)
+        with warnings.catch_warnings():  # known deprecations inside megatron-core's torch_dist loader (0.16)
+            warnings.filterwarnings("ignore", message="`load_state_dict` is deprecated", category=FutureWarning,
+                                    module=r"megatron\.core\.dist_checkpointing\.")
+            warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating "
+                                    "ShardedTensor", category=FutureWarning, module=r"torch\.distributed\.checkpoint\.")
+            return dist_checkpointing.load(state, path)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         cause = e
         if isinstance(e, CheckpointException) and e.failures:
@@ -538,7 +550,7 @@ def load_checkpoint(ckpt_dir: str, model, *, iteration: int | None = None,
     from megatron_jf.models.gpt import unwrap
 
     m = unwrap(model)
-    meta = read_meta(ckpt_dir, iteration)
+    meta = read_meta(ckpt_dir, iteration, verify=True)
     saved = ModelArgs.from_dict(meta["model_args"])
     for field in ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                   "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias"):
@@ -562,7 +574,7 @@ def stored_dtype(ckpt_dir: str, iteration: int | None = None) -> torch.dtype:
     """
     from megatron.core import dist_checkpointing
 
-    meta = read_meta(ckpt_dir, iteration)
+    meta = read_meta(ckpt_dir, iteration, verify=True)
     md = dist_checkpointing.load_tensors_metadata(meta["path"])
     prefix = meta["model_key_prefix"]
     for name in ("embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"):
@@ -585,7 +597,7 @@ def load_model(ckpt_dir: str, *, iteration: int | None = None, params_dtype: tor
     """
     from megatron_jf.models.gpt import build_model, inference_transformer_impl
 
-    meta = read_meta(ckpt_dir, iteration)
+    meta = read_meta(ckpt_dir, iteration, verify=True)  # a damaged checkpoint stops before the model is built
     args = ModelArgs.from_dict(meta["model_args"])
     model = build_model(args, params_dtype=params_dtype, transformer_impl=transformer_impl or inference_transformer_impl())
     load_checkpoint(ckpt_dir, model, iteration=iteration, strict=False)

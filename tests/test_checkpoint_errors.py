@@ -85,7 +85,7 @@ def test_read_meta_names_the_damaged_file(good_ckpt, tmp_path, kind):
 
     ck, path, fragment = damaged(good_ckpt, tmp_path, kind)
     with pytest.raises(CheckpointFileError) as e:
-        read_meta(ck)
+        read_meta(ck, verify=True)
     assert str(e.value).startswith(path)
     _assert_names_file(str(e.value), path, fragment)
 

@@ -116,7 +116,7 @@ def run(args) -> dict | None:
     # ---- cheap checks first: prompt file, checkpoint metadata, tokenizer
     reject_hf_dir(args.load)
     specs = C.read_prompts(args.prompts)
-    meta = read_meta(args.load)
+    meta = read_meta(args.load, verify=True)
     margs = ModelArgs.from_dict(meta["model_args"])
     tok_path = args.tokenizer or tokenizer_path(args.load)
     if args.tokenizer and not os.path.exists(args.tokenizer):
