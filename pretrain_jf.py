@@ -24,10 +24,9 @@ import math
 import sys
 from functools import partial
 
-import torch
-
-from megatron_jf import platform
-from megatron_jf.training.trainer import DatasetSpec, TrainConfig, effective_seq_length, parse_config, pretrain
+# light imports only: the command line is parsed (and --help / argument errors answered) before torch and
+# megatron-core are imported in main()
+from megatron_jf.training.config import TrainConfig, effective_seq_length, parse_config
 
 
 def model_provider(model_args, cfg: TrainConfig):
@@ -55,6 +54,8 @@ def loss_func(batch, loss_cfg, vocab_size: int, output_tensor: torch.Tensor):
         ``anchor loss`` (L_anchor, mean nats per anchor token) when the batch carries anchor rows
         (``--anchor-data``); then ``loss`` includes ``anchor_weight * L_anchor``.
     """
+    import torch
+
     from megatron_jf.training.attention_paths import gather_anchor_logits, gather_jf_logits
     from megatron_jf.training.losses import ANCHOR_METRIC, anchor_term, jf_loss
 
@@ -74,6 +75,8 @@ def rows_loss_func(batch, loss_cfg, vocab_size: int, weight: torch.Tensor, chunk
     """The same loss as :func:`loss_func` from the hidden states of the loss rows only (``output_tensor``
     ``[N, h]``, :func:`megatron_jf.training.output_head.forward_loss_rows`): the output layer ``weight``
     ``[V_local, h]`` and the loss run on them in chunks of ``chunk_size`` rows (``--loss-chunk-size``)."""
+    import torch
+
     from megatron_jf.training.output_head import head_loss
 
     loss_sum, report = head_loss(output_tensor, weight, batch, loss_cfg, vocab_size, chunk_size=chunk_size)
@@ -95,6 +98,7 @@ def forward_step(data_iterator, model, *, cfg: TrainConfig):
         or the hidden states of the JF loss rows (:func:`rows_loss_func`); hidden states elsewhere (the
         schedule only calls the loss function on the last stage).
     """
+    from megatron_jf import platform
     from megatron_jf.models.gpt import unwrap
 
     batch = next(data_iterator).to(platform.default_device())
@@ -120,6 +124,7 @@ def train_valid_datasets_provider(cfg: TrainConfig, model_args):
             differs from ``--block-size`` (checked on the first record, and on every record read).
     """
     from megatron_jf import parallel
+    from megatron_jf.training.streams import DatasetSpec
 
     rank, world = parallel.dp_rank(), parallel.dp_size()
     seq = effective_seq_length(cfg, model_args.max_position_embeddings)
@@ -163,18 +168,23 @@ def train_valid_datasets_provider(cfg: TrainConfig, model_args):
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the process exit status (1 with a one-line error for bad input)."""
-    try:
-        cfg = parse_config(argv)
-        from megatron_jf.load_errors import reject_hf_dir
+    from megatron_jf.load_errors import check_load_dir
 
-        reject_hf_dir(cfg.load)
+    try:  # arguments and the --load path first: answered before torch and megatron-core are imported
+        cfg = parse_config(argv)
+        check_load_dir(cfg.load)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pretrain_jf.py: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    from megatron_jf import parallel
+    from megatron_jf.training.trainer import pretrain
+
+    try:
         pretrain(cfg, model_provider, partial(forward_step, cfg=cfg), train_valid_datasets_provider)
-    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"pretrain_jf.py: error: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
-        from megatron_jf import parallel
-
         parallel.destroy()
     return 0
 

@@ -14,9 +14,10 @@ import json
 import os
 import shutil
 
-import torch
-
 from megatron_jf.models.hf_config import ModelArgs
+
+# torch is imported inside the functions that use it: tools/convert_hf.py reads DEFAULT_MAX_SHARD_SIZE while it
+# builds its parser, before torch is imported (--help answers at once)
 
 
 def load_hf_state_dict(path: str) -> dict[str, torch.Tensor]:
@@ -26,6 +27,8 @@ def load_hf_state_dict(path: str) -> dict[str, torch.Tensor]:
         FileNotFoundError: the directory holds no weight files.
         ValueError: a weight file is corrupt (names it).
     """
+    import torch
+
     index = os.path.join(path, SAFE_INDEX)
     if os.path.isfile(index):
         try:
@@ -123,6 +126,8 @@ def generation_config(args: ModelArgs, source: dict | None = None) -> dict:
 
 
 def _dtype_name(state: dict[str, torch.Tensor]) -> str:
+    import torch
+
     dts = {v.dtype for v in state.values() if v.is_floating_point()}
     dt = dts.pop() if len(dts) == 1 else torch.float32
     return str(dt).removeprefix("torch.")

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,15 @@ def inference_transformer_impl() -> str:
     return "local" if enabled_by_env() else "auto"
 
 
+def _transformer_config(**kw) -> TransformerConfig:
+    """``TransformerConfig(**kw)`` without megatron-core 0.16's deprecation warning about its own default
+    (``cuda_graph_scope="full"``, "full scope is deprecated"; 0.17+ defaults to the empty list and does not warn)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning,
+                                module=r"megatron\.core\.transformer\.transformer_config")
+        return TransformerConfig(**kw)
+
+
 def transformer_config(args: ModelArgs, *, params_dtype: torch.dtype | None = None,
                        sequence_parallel: bool = False, recompute: dict | None = None) -> TransformerConfig:
     """megatron-core ``TransformerConfig`` for ``args`` on the current TP/PP group.
@@ -117,7 +127,7 @@ def transformer_config(args: ModelArgs, *, params_dtype: torch.dtype | None = No
     args.validate_parallel(tp, pp)
     dtype = params_dtype or platform.default_dtype()
     gpu = platform.HAVE_CUDA
-    return TransformerConfig(
+    return _transformer_config(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.intermediate_size,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -145,7 +146,7 @@ class Pipeline:
     def run(self, args: list, stage: str) -> None:
         """Run a project script as a subprocess; raise RuntimeError on failure (the stage resumes on re-run)."""
         cmd = [self.python, *(f"{a:g}" if isinstance(a, float) else a for a in args)]
-        self.log(f"[{stage}] $ {' '.join(str(c) for c in cmd)}")
+        self.log(f"[{stage}] $ {shlex.join(str(c) for c in cmd)}")  # quoted: the line pastes back as is
         proc = subprocess.run([str(c) for c in cmd], env=self.env, cwd=str(REPO))
         if proc.returncode != 0:
             raise RuntimeError(f"stage {stage} failed (exit {proc.returncode}); re-run the same command to resume")
@@ -367,8 +368,8 @@ class Pipeline:
         return build_report(self)
 
 
-def main(argv=None):
-    """CLI entry point: ``python -m megatron_jf.quickstart.pipeline [--smoke|--real]``."""
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``bash examples/quickstart.sh`` (``python -m megatron_jf.quickstart.pipeline``)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--smoke", action="store_true", help="tiny sizes, a couple of minutes (CI runs it)")
@@ -377,7 +378,12 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None, help="torch threads per process (default 2)")
     ap.add_argument("--until", default=None, choices=STAGES, help="stop after this stage")
     ap.add_argument("--fresh", action="store_true", help="delete the work directory first")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    """CLI entry point: ``python -m megatron_jf.quickstart.pipeline [--smoke|--real]``."""
+    a = build_parser().parse_args(argv)
     preset = PRESETS["smoke" if a.smoke else "real" if a.real else "default"]
     if a.threads:
         preset = replace(preset, threads=a.threads)

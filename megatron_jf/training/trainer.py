@@ -544,9 +544,13 @@ class Trainer:
     # ------------------------------------------------------------------ logging
     def _print(self, msg: str):
         if parallel.is_rank0():
-            if getattr(self, "_bar", None) is not None:
-                self._bar.write(msg)
-            else:
+            bar = getattr(self, "_bar", None)
+            if bar is None:
+                print(msg, flush=True)
+                return
+            # clear the bar (stderr), print and flush the line (stdout), redraw the bar: a log that takes both
+            # streams gets whole lines, never a step line inside a bar update
+            with bar.external_write_mode(file=sys.stdout):
                 print(msg, flush=True)
 
     def _log_event(self, split: str, m: dict):
