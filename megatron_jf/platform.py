@@ -8,8 +8,7 @@ it exists. Measured notes: ``shared/research/mcore_cpu.md`` (probe of 0.16.1 on 
 megatron-core versions: 0.16.1 (the last release for Python 3.11) through 0.19.x (Python 3.12) are tested in CI
 (README "Tests and CI"). Every shim below applies unchanged to both ends: each patched name
 (``torch.cuda.current_device``, ``transformer.utils.get_default_causal_mask``, the ``torch`` global of
-``pipeline_parallel.schedules``, ``transformer.torch_norm.WrappedTorchNorm``,
-``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``) exists with the same meaning in
+``pipeline_parallel.schedules``, ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``) exists with the same meaning in
 0.16.1 and 0.19.2. What differs between them and is handled here:
 
 * 0.17+ warns at import that ``absl`` is not installed (``hyper_comm_grid``) and falls back to ``logging``:
@@ -127,12 +126,8 @@ def apply_cpu_shims() -> None:
     5. ``Tensor.cuda()`` returns the tensor unchanged: tied embeddings under pipeline parallelism
        all-reduce ``weight.data.cuda()`` between the first and last stage. Without CUDA every such
        call would fail, so the identity is the only meaningful behaviour.
-    6. Sequence parallelism: without Apex/TE the layer specs use ``WrappedTorchNorm`` (torch
-       ``RMSNorm``), which asserts ``not config.sequence_parallel`` although a per-token norm is
-       indifferent to the sequence split. The shim builds the same torch norm and marks its weight
-       ``sequence_parallel = True``, exactly as Apex's ``FusedLayerNorm`` and TE's norms do, so the
-       gradient of each rank's sequence shard is summed over the TP group after the backward (megatron's
-       ``finalize_model_grads``, or the trainer's CPU path).
+    6. (none: sequence parallelism with the local spec used to need a patch of megatron's ``WrappedTorchNorm``
+       here, CPU only; the local spec now builds :class:`megatron_jf.models.norm.RMSNorm` on every machine.)
     7. Activation recomputation (``--recompute-granularity``): megatron's ``CheckpointFunction`` saves and
        restores the CUDA RNG state around the recomputed forward. Without CUDA there is none: the getter
        returns None and the setter does nothing (the CPU RNG state is still saved and restored).
@@ -162,24 +157,6 @@ def apply_cpu_shims() -> None:
 
     schedules.torch = _CudaToCpuTorch()
     torch.Tensor.cuda = lambda self, *a, **k: self  # (5)
-
-    from megatron.core.transformer import torch_norm  # (6)
-
-    orig_new = torch_norm.WrappedTorchNorm.__new__
-
-    def _norm_new(cls, config, hidden_size, eps=1e-5, **kwargs):
-        if not config.sequence_parallel:
-            return orig_new(cls, config, hidden_size, eps, **kwargs)
-        config.sequence_parallel = False  # only to pass the assertion; restored at once
-        try:
-            norm = orig_new(cls, config, hidden_size, eps, **kwargs)
-        finally:
-            config.sequence_parallel = True
-        for p in norm.parameters():
-            p.sequence_parallel = True
-        return norm
-
-    torch_norm.WrappedTorchNorm.__new__ = _norm_new
 
     from megatron.core.tensor_parallel import random as tp_random  # (7)
 
