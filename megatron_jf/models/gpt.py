@@ -205,6 +205,19 @@ def build_model(args: ModelArgs, *, params_dtype: torch.dtype | None = None, seq
     return model.to(device or platform.default_device())
 
 
+def set_params_dtype(model, dtype: torch.dtype):
+    """Cast ``model``'s parameters to ``dtype`` and make its ``TransformerConfig`` say so: ``params_dtype``, ``bf16`` /
+    ``fp16`` and ``pipeline_dtype`` -- the dtype megatron's pipeline schedules allocate their receive buffers in, so a
+    model built in bf16 (the GPU default) and trained in fp32 (``--precision fp32``, the torch AdamW path) at PP > 1
+    would otherwise receive fp32 activations into bf16 buffers. Returns the model (cast in place, as ``Module.to``)."""
+    if any(p.dtype != dtype for p in model.parameters()):
+        model = model.to(dtype)
+    cfg = unwrap(model).config
+    cfg.params_dtype = cfg.pipeline_dtype = dtype
+    cfg.bf16, cfg.fp16 = dtype == torch.bfloat16, dtype == torch.float16
+    return model
+
+
 def finish_model(model, args: ModelArgs) -> None:
     """Attach what the engine and tools read to a freshly built ``JFGPTModel`` (in place).
 
