@@ -23,13 +23,15 @@ megatron-core versions: 0.16.1 (the last release for Python 3.11) through 0.19.x
 Switches (all automatic, overridable by environment variables for experiments):
 
 * ``HAVE_CUDA``: ``torch.cuda.is_available()``.
-* ``HAVE_TE``: Transformer Engine importable *and* CUDA present. A broken TE install makes
-  ``import megatron.core`` crash, so never install TE on CPU machines (it is the ``[gpu]`` extra).
+* ``HAVE_TE``: Transformer Engine importable *and* CUDA present, unless ``MEGATRON_JF_DISABLE_TE=1``
+  (:class:`TESwitches`). A broken TE install makes ``import megatron.core`` crash, so never install TE on CPU
+  machines (on GPU it comes with the NGC container).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import os
 import types
@@ -45,8 +47,33 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine and Apex|Apex i
 HAVE_CUDA: bool = torch.cuda.is_available()
 
 
+@dataclasses.dataclass(frozen=True)
+class TESwitches:
+    """The Transformer Engine code-path switches, with their environment overrides (read here and nowhere else).
+
+    Attributes:
+        disable: behave as if TE were absent (``MEGATRON_JF_DISABLE_TE=1``): the local layer spec under ``auto``, and
+            the packed attention path on per-segment SDPA instead of TE's fused THD attention.
+        arbitrary_mask: run the masked attention mode (NC-IC / clean-context masks on the dense path) through TE's
+            arbitrary-mask attention instead of torch SDPA (``MEGATRON_JF_TE_ARBITRARY_MASK=1``; TE serves it only with
+            its unfused backend, ``[b, h, L, L]`` scores: for comparison). Also
+            :class:`~megatron_jf.models.attention.JFCoreAttention`'s ``te_arbitrary_mask`` argument.
+    """
+
+    disable: bool = False
+    arbitrary_mask: bool = False
+
+    ENV = {"disable": "MEGATRON_JF_DISABLE_TE", "arbitrary_mask": "MEGATRON_JF_TE_ARBITRARY_MASK"}
+
+    @classmethod
+    def from_env(cls, environ=None) -> "TESwitches":
+        """The switches as the environment sets them (a variable counts when it is ``1``)."""
+        env = os.environ if environ is None else environ
+        return cls(**{field: env.get(var) == "1" for field, var in cls.ENV.items()})
+
+
 def _have_te() -> bool:
-    if not HAVE_CUDA or os.environ.get("MEGATRON_JF_DISABLE_TE") == "1":
+    if not HAVE_CUDA or TESwitches.from_env().disable:
         return False
     if importlib.util.find_spec("transformer_engine") is None:
         return False
