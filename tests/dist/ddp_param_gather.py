@@ -11,7 +11,6 @@ Usage: torchrun --nproc_per_node 2 tests/dist/ddp_param_gather.py
 Prints, from rank 0, ``RESULT {"rank", "losses", "ref_losses", "max_weight_diff", "buckets", "output_layer_alone",
 "moved"}`` per rank (``moved``: the largest change of any weight over the run, so equal weights mean something).
 """
-import json
 import os
 import sys
 
@@ -72,6 +71,7 @@ def main():
     from megatron_jf import parallel
     from megatron_jf.testing import tiny_hf_model
     from loss_rows_tp import build
+    from train_fixtures import print_results
 
     parallel.initialize(1, 1)
     rank, dp = dist.get_rank(), dist.get_world_size()
@@ -82,11 +82,7 @@ def main():
     rec = {"rank": rank, "losses": losses, "ref_losses": ref_losses,
            "max_weight_diff": max(float((w[n] - ref_w[n]).abs().max()) for n in w),
            "moved": max(float((ref_w[n] - start[n]).abs().max()) for n in w), **layout}
-    recs = [None] * dp
-    dist.all_gather_object(recs, rec)
-    if rank == 0:
-        for r in recs:
-            print("RESULT " + json.dumps(r), flush=True)
+    print_results(rec)
     parallel.destroy()
 
 
