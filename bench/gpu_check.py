@@ -233,6 +233,11 @@ class Runner:
             if not pending:
                 return
             died = [j for j in pending if os.path.exists(j["result"] + ".started")]
+            if not died:  # it ended before starting a job (an import error): restarting would do the same
+                for j in pending:
+                    _write_json(j["result"], {"rc": rc, "error": f"child exited ({rc}) before this job: "
+                                                                 f"{_last_line(self.log)}"})
+                return
             for j in died:
                 _write_json(j["result"], {"rc": rc, "error": f"process died (exit {rc}): {_last_line(self.log)}"})
             if time.time() > self.deadline:
