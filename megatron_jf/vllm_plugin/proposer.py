@@ -40,6 +40,9 @@ class JacobiForcingProposer:
         self.policy = policy_for(self.cfg, linear=True)
         self.max_draft = vllm_config.speculative_config.num_speculative_tokens
         self.states: dict[str, object] = {}
+        #: when a dict (tests, debugging; set through ``LLM.collective_rpc``): request id -> ``{"prompt": [...],
+        #: "drafts": [draft per step]}``, the drafts exactly as proposed
+        self.record: dict | None = None
         vllm_internals.activate_recording()
 
     def load_model(self, *args, **kwargs) -> None:
@@ -81,5 +84,9 @@ class JacobiForcingProposer:
             else:
                 g = ver.predictions[i] if ver is not None and ver.drafts[i] else emitted[:1]
                 policy.observe(state, context, Outcome(predictions=g, emitted=emitted, from_draft=len(emitted) - 1))
-            drafts.append(policy.propose(state, context).draft[: self.max_draft])
+            draft = policy.propose(state, context).draft[: self.max_draft]
+            drafts.append(draft)
+            if self.record is not None:
+                self.record.setdefault(rid, {"prompt": context[: view.prompt_lens[i]], "drafts": []})["drafts"].append(
+                    list(draft))
         return drafts

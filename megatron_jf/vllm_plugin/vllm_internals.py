@@ -4,7 +4,8 @@ vLLM 0.32 has one hook for a proposer that is neither a draft model nor a head: 
 ``custom_class`` method (``speculative_config.model`` = a dotted class path, ``config/speculative.py``), whose
 ``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)`` sees neither the request ids nor the target's
 predictions at the draft positions it rejected -- the two things Jacobi decoding is made of (its next draft *is*
-those predictions; the running window and the n-gram pool are per request). Three wraps supply them:
+those predictions; the running window and the n-gram pool are per request). Three wraps supply them, and a
+fourth fixes a vLLM-CPU bug that sampling needs fixed:
 
 1. ``EngineArgs.create_speculative_config`` (front-end process): ``{"method": "jacobi" | "mr", ...}`` becomes
    vLLM's ``custom_class`` method with the plugin's proposer, and the plugin's own keys go to
@@ -16,6 +17,10 @@ those predictions; the running window and the n-gram pool are per request). Thre
 3. ``GPUModelRunner.propose_draft_token_ids`` (worker; the CPU runner inherits it): when the drafter is the
    plugin's, call it with the batch's request ids, prompt lengths, token buffers, the sampled tokens and the
    recorded predictions instead of the ``custom_class`` call.
+
+4. On the CPU platform only, ``rejection_sampler.expand_batch_to_tokens`` is replaced by a plain-torch
+   equivalent (:func:`expand_batch_to_tokens`): vLLM-CPU 0.32's kernel for it returns uninitialised memory for
+   float inputs, which breaks sampling (temperature > 0) under any speculative method, vLLM's own included.
 
 Nothing else is patched; the proposer class itself only meets the ``custom_class`` contract (constructor
 taking ``VllmConfig``, ``propose``, and ``load_model``, which the CPU runner calls unconditionally). The
@@ -198,6 +203,39 @@ def _wrap_propose_draft_token_ids(runner_cls, proposer_cls) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------
+# 4. CPU only: vLLM's own expansion of per-request sampling parameters to draft positions
+# --------------------------------------------------------------------------------------------------------------
+
+def expand_batch_to_tokens(x, cu_num_tokens, num_tokens: int, replace_from=0, replace_to=0):
+    """``x[i]`` repeated for each of row ``i``'s tokens (``cu_num_tokens`` cumulative per row), ``replace_from``
+    values replaced by ``replace_to``: vLLM's ``rejection_sampler.expand_batch_to_tokens`` in plain torch.
+
+    vLLM-CPU 0.32's kernel for it (``utils/cpu_triton_utils._expand_kernel_impl``) runs on an int64 *copy* of the
+    output and never writes it back, so for the float temperatures and top-p values (and int32 top-k) of a
+    sampled batch the rejection sampler reads uninitialised memory: speculative decoding with temperature > 0
+    then samples from a wrong distribution, for vLLM's own methods (n-gram included) as for the plugin's
+    (tests/test_vllm_plugin.py::test_sampling_keeps_the_distribution)."""
+    import torch
+
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
+    x = torch.where(x == replace_from, torch.as_tensor(replace_to, dtype=x.dtype, device=x.device), x)
+    return torch.repeat_interleave(x, counts, output_size=num_tokens)
+
+
+def _fix_cpu_expand(module) -> None:
+    from vllm.platforms import current_platform
+
+    orig = module.expand_batch_to_tokens
+    if getattr(orig, _PATCHED, False) or not current_platform.is_cpu():
+        return
+    _require_params(orig, ("x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to"),
+                    "vllm.v1.sample.rejection_sampler.expand_batch_to_tokens")
+    fixed = functools.wraps(orig)(expand_batch_to_tokens)
+    setattr(fixed, _PATCHED, True)
+    module.expand_batch_to_tokens = fixed
+
+
+# --------------------------------------------------------------------------------------------------------------
 # 1. method names
 # --------------------------------------------------------------------------------------------------------------
 
@@ -227,8 +265,8 @@ def _wrap_create_speculative_config(engine_args_cls) -> None:
 
 
 def install() -> None:
-    """Check the vLLM version and apply the three wraps (idempotent: vLLM loads general plugins once per
-    process, in the front end, the engine core and every worker).
+    """Check the vLLM version and apply the wraps (idempotent: vLLM loads general plugins once per process, in
+    the front end, the engine core and every worker).
 
     Raises:
         UnsupportedVLLMError: untested vLLM version, or a wrapped function lost a parameter the wrap uses.
@@ -243,6 +281,7 @@ def install() -> None:
     _wrap_create_speculative_config(EngineArgs)
     _wrap_rejection_sample(rejection_sampler)
     _wrap_propose_draft_token_ids(GPUModelRunner, JacobiForcingProposer)
+    _fix_cpu_expand(rejection_sampler)
 
 
 def activate_recording() -> None:
