@@ -62,7 +62,8 @@ def forward_costs(model, n: int, context: int = 160, reps: int = 7, layouts=((1,
     import torch
 
     from megatron_jf.inference import mr_verify
-    from megatron_jf.models.gpt import forward_logits, new_kv_cache
+    from megatron_jf.inference.forward import forward_logits
+    from megatron_jf.models.gpt import new_kv_cache
 
     vocab = model.vocab_size_unpadded
     g = torch.Generator().manual_seed(1)

@@ -54,7 +54,8 @@ import torch
 from megatron_jf.inference import mr_verify as mr_verify_mod
 from megatron_jf.inference.ngram_pool import NGramPool
 from megatron_jf.inference.sampling import SamplingParams, argmax_list, verify
-from megatron_jf.models.gpt import forward_logits, new_kv_cache, unwrap
+from megatron_jf.inference.forward import forward_logits
+from megatron_jf.models.gpt import new_kv_cache, unwrap
 
 DECODERS = ("ar", "jacobi", "running-window", "mr")
 DRAFT_INITS = ("context", "repeat")
@@ -770,6 +771,7 @@ def _rows_view(cache, lo: int, hi: int):
         return cache
     v = object.__new__(type(cache))
     v.__dict__.update(cache.__dict__)
+    v.__dict__.pop("_static_decoder", None)  # a view runs its own static shapes
     v.k, v.v, v.lengths = cache.k[:, lo:hi], cache.v[:, lo:hi], cache.lengths[lo:hi]
     v.batch_size, v._step = hi - lo, None
     return v

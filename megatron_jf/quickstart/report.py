@@ -40,7 +40,7 @@ def heldout_nll(model, tokens: np.ndarray, chunks: int, seq: int = 256) -> tuple
         next-token predictions, int64 ``[chunks, seq]`` (compared across models for teacher-forced agreement,
         which unlike free-running agreement is not dominated by where two greedy continuations first part).
     """
-    from megatron_jf.models.gpt import forward_logits
+    from megatron_jf.inference.forward import forward_logits
 
     starts = np.linspace(0, len(tokens) - seq - 2, chunks).astype(int)
     total, count, preds = 0.0, 0, []
