@@ -11,16 +11,9 @@ import torch
 
 @pytest.fixture(scope="module")
 def model(mp1):
-    from megatron_jf.models.convert import hf_to_mcore
-    from megatron_jf.models.gpt import build_model
-    from megatron_jf.models.hf_config import ModelArgs
-    from megatron_jf.testing import tiny_hf_model
+    from megatron_jf.testing import mcore_twin, tiny_hf_model
 
-    hf = tiny_hf_model("qwen2", scale=0.3, seed=1)
-    args = ModelArgs.from_hf_dict(hf.config.to_dict())
-    m = build_model(args).eval()
-    m.load_state_dict(hf_to_mcore(hf.state_dict(), args), strict=False)
-    return m
+    return mcore_twin(tiny_hf_model("qwen2", scale=0.3, seed=1))
 
 
 def _live_static_decoders() -> int:
