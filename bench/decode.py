@@ -232,9 +232,9 @@ def main(argv=None):
     counters = {}
     runner_mod.forward_logits, mr_verify.pruned_second_pass = timed, timed_second
     BatchSession.step, ModelRunner.prefill = timed_step, timed_prefill
-    try:  # every decoder back to back on each prompt at batch 1, transformers greedy after them
+    try:  # each decoder over every prompt at batch 1 in turn (AR first), transformers greedy last
         speed = measure(engine, prompts, configs, max_new_tokens=a.max_new_tokens, batch_size=1, hf=hf, strict=False,
-                        around=around)
+                        around=around, interleave=False)
     finally:
         runner_mod.forward_logits, mr_verify.pruned_second_pass = orig_fwd, orig_second
         BatchSession.step, ModelRunner.prefill = orig_step, orig_prefill

@@ -146,10 +146,13 @@ class Speed:
 
 def measure(engine, prompts: list[list[int]], methods: dict, *, max_new_tokens: int, batch_size: int = 1,
             eos_ids=frozenset(), stop_strings: tuple[str, ...] = (), detokenize=None, hf=None, strict: bool = True,
-            reference: list[list[int]] | None = None, around=None, label: str = "") -> Speed:
+            reference: list[list[int]] | None = None, around=None, label: str = "", interleave: bool = True) -> Speed:
     """Run ``methods`` on ``prompts`` in batches of ``batch_size`` (:func:`run_batch`) and total them.
 
     Without an AR config in ``methods`` and without ``reference`` tokens, an AR run named ``AR`` is added first.
+    ``interleave``: every method back to back on each batch (default); False: each method over all batches in
+    turn, the reference first, ``transformers`` greedy last (the order ``bench/decode.py`` has always used, which
+    keeps a method's caches warm across its prompts).
 
     Raises:
         LosslessError: (``strict``) some method's output differs from the reference on some prompt.
@@ -164,11 +167,19 @@ def measure(engine, prompts: list[list[int]], methods: dict, *, max_new_tokens: 
     stats = {n: MethodStats(n, c) for n, c in methods.items()}
     if hf is not None:
         stats[HF] = MethodStats(HF)
-    for b0 in range(0, len(prompts), batch_size):
+    starts = range(0, len(prompts), batch_size)
+    if interleave:
+        plan = [(b0, methods, hf) for b0 in starts]
+    else:
+        order = sorted(methods, key=lambda n: n != ref_name)  # the reference first: the others check against it
+        plan = [(b0, {n: methods[n]}, None) for n in order for b0 in starts]
+        plan += [(b0, {}, hf) for b0 in starts] if hf is not None else []
+    for b0, subset, hf_b in plan:
         batch = prompts[b0: b0 + batch_size]
-        ref = None if reference is None else reference[b0: b0 + batch_size]
-        run = run_batch(engine, batch, methods, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                        stop_strings=stop_strings, detokenize=detokenize, hf=hf, reference=ref, around=around)
+        ref = reference[b0: b0 + batch_size] if reference is not None else (
+            None if ref_name in subset else ref_out[b0: b0 + batch_size])
+        run = run_batch(engine, batch, subset, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                        stop_strings=stop_strings, detokenize=detokenize, hf=hf_b, reference=ref, around=around)
         for name, res in run.results.items():
             s = stats[name]
             s.results += res
@@ -180,7 +191,7 @@ def measure(engine, prompts: list[list[int]], methods: dict, *, max_new_tokens: 
             s.wall_s += run.wall_s[name]
             s.identical += sum(run.lossless[name])
             s.mismatched += [b0 + j for j, ok in enumerate(run.lossless[name]) if not ok]
-        if ref_name is not None:
+        if ref_name in run.results:
             ref_out += [r.tokens for r in run.results[ref_name]]
         for j, (d, e2e, toks) in enumerate(run.hf or ()):  # exactly the reference's tokens, at batch 1
             s = stats[HF]

@@ -1,12 +1,13 @@
 """The step: one decode forward for every live row of a batch, driven by the drafting policies.
 
 Per step and row (paper Sec. 2.1, 3.2, Algorithm 1): the row's policy proposes a draft (and, for MR, recycled
-candidates) from its committed tokens (:mod:`megatron_jf.decoding`); the :class:`~megatron_jf.inference.runner.
-ModelRunner` forwards ``[last] + draft`` (+ candidates) over the row's KV cache; verification accepts the longest
-verified prefix and one more token (greedy, or the speculative rule when sampling:
-:func:`~megatron_jf.inference.sampling.verify`), so every forward emits >= 1 token and the output is exactly AR's;
-EOS, ``max_new_tokens`` and stop strings end the row; the cache keeps ``[last] + accepted``; the policy observes the
-model's predictions and builds the next draft. Rows live in a :class:`~megatron_jf.inference.slots.SlotTable`.
+candidates) from its committed tokens (:mod:`megatron_jf.decoding`); the model runner
+(:class:`~megatron_jf.inference.runner.ModelRunner`) forwards ``[last] + draft`` (+ candidates) over the row's
+KV cache; verification accepts the longest verified prefix and one more token (greedy, or the speculative rule
+when sampling: :func:`~megatron_jf.inference.sampling.verify`), so every forward emits >= 1 token and the output
+is exactly AR's; EOS, ``max_new_tokens`` and stop strings end the row; the cache keeps ``[last] + accepted``; the
+policy observes the model's predictions and builds the next draft. Rows live in a
+:class:`~megatron_jf.inference.slots.SlotTable`.
 """
 
 from __future__ import annotations
@@ -161,10 +162,10 @@ class BatchSession:
             p = r.policy.propose(r.state, r.ctx)
             r.draft, r.cands = p.draft, p.candidates
             r.n_main = 1 + len(r.draft)
-            seqs.append([r.ctx[-1]] + r.draft + [t for c in r.cands for t in c])
+            seqs.append(_tokens(r))
         a = self._arrange(seqs)
         if a:  # rows moved
-            seqs = [[r.ctx[-1]] + r.draft + [t for c in r.cands for t in c] for r in rows]
+            seqs = [_tokens(r) for r in rows]
         for lo, hi in ([(0, a), (a, m)] if a else [(0, m)]):
             self._forward(lo, hi, seqs[lo:hi], on_tokens)
         dt = time.perf_counter() - t1
@@ -243,8 +244,12 @@ class BatchSession:
         if pruned:
             seqs = [x[: r.n_main] for r, x in zip(rows, seqs)]  # pass 1: the main chains
         s = max(len(x) for x in seqs)
-        logits, view = runner.decode(lo, hi, seqs, [len(r.ctx) - 1 for r in rows], [r.n_main for r in rows],
-                                     [[len(c) for c in r.cands] for r in rows], tree=any_cands and not pruned)
+        bases, n_mains, cand_lens = [], [], []
+        for r in rows:
+            bases.append(len(r.ctx) - 1)
+            n_mains.append(r.n_main)
+            cand_lens.append(list(map(len, r.cands)))
+        logits, view = runner.decode(lo, hi, seqs, bases, n_mains, cand_lens, tree=any_cands and not pruned)
         keep = []
         for i, r in enumerate(rows):
             main = logits[i, : r.n_main]  # row j predicts draft[j]; the last row predicts past the draft
@@ -319,3 +324,11 @@ class BatchSession:
         winner = None if best is None else next(j for j, c in enumerate(r.cands) if c is best.tokens)
         r.policy.observe(r.state, r.ctx, Outcome(g, emitted, from_draft, winner))
         return keep
+
+
+def _tokens(r: Row) -> list[int]:
+    """What row ``r`` forwards this step: ``[last] + draft``, then its recycled candidates back to back."""
+    seq = [r.ctx[-1]] + r.draft
+    for c in r.cands:
+        seq += c
+    return seq
