@@ -377,7 +377,8 @@ def decode_rows(dry: bool) -> list[tuple[str, str, str]]:
     from megatron_jf.inference.engine import DecodeConfig, Engine
     from megatron_jf.inference.lean_forward import lean_forward_for
     from megatron_jf.inference.static_decode import StaticDecoder
-    from megatron_jf.models.gpt import forward_logits, new_kv_cache
+    from megatron_jf.inference.forward import forward_logits
+    from megatron_jf.models.gpt import new_kv_cache
 
     cuda = torch.cuda.is_available() and not dry
     device = torch.device("cuda" if cuda else "cpu")
@@ -398,35 +399,24 @@ def decode_rows(dry: bool) -> list[tuple[str, str, str]]:
             vocab = model.vocab_size_unpadded
             g = torch.Generator().manual_seed(0)
             prompt = torch.randint(0, vocab, (prompt_len,), generator=g).tolist()
-            engine = Engine(model, mr_verify="tree")
-            modes = {"graphs": {"MEGATRON_JF_STATIC_DECODE": "1" if cuda else "force", "MEGATRON_JF_CUDA_GRAPHS": "1"},
-                     "static": {"MEGATRON_JF_STATIC_DECODE": "1" if cuda else "force", "MEGATRON_JF_CUDA_GRAPHS": "0"},
-                     "eager": {"MEGATRON_JF_STATIC_DECODE": "0"}}
+            # the forward implementation is an Engine field (inference/options.py): the static path with CUDA graphs,
+            # the static path run eagerly, and the eager lean forward
+            engines = {"graphs": Engine(model, mr_verify="tree", forward="static", cuda_graphs=cuda),
+                       "static": Engine(model, mr_verify="tree", forward="static", cuda_graphs=False),
+                       "eager": Engine(model, mr_verify="tree", forward="lean")}
             toks, tps = {}, {}
-            saved = {k: os.environ.get(k) for k in ("MEGATRON_JF_STATIC_DECODE", "MEGATRON_JF_CUDA_GRAPHS")}
-            try:
-                for mode, env in modes.items():
-                    os.environ.update(env)
-                    _forget_static_decoders(lean)
-                    for d in DECODERS:
-                        cfg = DecodeConfig(decoder=d, block_size=n, num_blocks=2 if n >= 8 else 1,
-                                           verification_size=4)
-                        r = _steady_state(engine, prompt, cfg, new)
-                        toks[mode, d], tps[mode, d] = r.tokens, r.tps
-                mem = []
-                os.environ.update(modes["graphs"])
-                _forget_static_decoders(lean)
-                for _ in range(5):
-                    engine.generate([prompt], DecodeConfig(decoder="ar"), max_new_tokens=new)
-                    if cuda:
-                        torch.cuda.synchronize()
-                    mem.append(torch.cuda.memory_allocated() / 2**20 if cuda else float("nan"))
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
+            for mode, engine in engines.items():
+                for d in DECODERS:
+                    cfg = DecodeConfig(decoder=d, block_size=n, num_blocks=2 if n >= 8 else 1, verification_size=4)
+                    r = _steady_state(engine, prompt, cfg, new)
+                    toks[mode, d], tps[mode, d] = r.tokens, r.tps
+            mem = []
+            for _ in range(5):  # each generate() builds (and must free) its runner's cache and captured graphs
+                engines["graphs"].generate([prompt], DecodeConfig(decoder="ar"), max_new_tokens=new)
+                if cuda:
+                    torch.cuda.synchronize()
+                mem.append(torch.cuda.memory_allocated() / 2**20 if cuda else float("nan"))
+            modes = engines
             ref = toks["eager", "ar"]
             for d in DECODERS:
                 same = all(toks[m, d] == ref for m in modes)
@@ -490,13 +480,6 @@ def _steady_state(engine, prompt: list[int], cfg, new: int):
 
 def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def _forget_static_decoders(lean) -> None:
-    """Drop the static decoders a LeanForward keeps, so the next forwards read the graph switch afresh."""
-    table = getattr(lean, "_static", None)
-    if hasattr(table, "clear"):
-        table.clear()
 
 
 # ----------------------------------------------------------------------------------------------- table

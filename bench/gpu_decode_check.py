@@ -107,7 +107,8 @@ def _measure(a):
     from megatron_jf import parallel
     from megatron_jf.inference.lean_forward import LeanForward
     from megatron_jf.inference.static_decode import StaticDecoder
-    from megatron_jf.models.gpt import forward_logits, new_kv_cache
+    from megatron_jf.inference.forward import forward_logits
+    from megatron_jf.models.gpt import new_kv_cache
 
     cuda = torch.cuda.is_available() and not a.dry_run
     if not cuda and not a.dry_run:

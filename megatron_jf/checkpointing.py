@@ -489,14 +489,15 @@ def load_model(ckpt_dir: str, *, iteration: int | None = None, params_dtype: tor
     """Build the model described by a checkpoint and load its weights (for inference tools).
 
     Requires :func:`megatron_jf.parallel.initialize` first (any TP/PP layout). ``transformer_impl`` (the layer
-    spec; default :func:`~megatron_jf.models.gpt.inference_transformer_impl`: the local spec that the lean
+    spec; default :func:`~megatron_jf.inference.options.inference_transformer_impl`: the local spec that the lean
     inference forward and its CUDA-graph path run on, also where Transformer Engine is installed; a checkpoint
     trained with the TE spec loads into it).
 
     Returns:
         ``(model in eval mode, ModelArgs, meta)``.
     """
-    from megatron_jf.models.gpt import build_model, inference_transformer_impl
+    from megatron_jf.inference.options import inference_transformer_impl
+    from megatron_jf.models.gpt import build_model
 
     meta = read_meta(ckpt_dir, iteration)
     args = ModelArgs.from_dict(meta["model_args"])
