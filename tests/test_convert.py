@@ -48,7 +48,8 @@ def test_round_trip_bit_exact(tmp_path, family, tied, tp):
 def test_negative_control_swapped_gate_up_breaks_parity(mp1):
     """If the gate/up order in fc1 were wrong, the parity test would catch it."""
     from megatron_jf.models import convert
-    from megatron_jf.models.gpt import build_model, forward_logits
+    from megatron_jf.inference.forward import forward_logits
+    from megatron_jf.models.gpt import build_model
     from megatron_jf.models.hf_config import ModelArgs
     from megatron_jf.testing import tiny_hf_model
 

@@ -155,7 +155,7 @@ def test_sampled_decoders_follow_ar_distribution(mp1):
     sampled token (enumerated from model probabilities) with AR, Jacobi and MR samples."""
     from megatron_jf.inference.engine import DecodeConfig, Engine
     from megatron_jf.inference.sampling import SamplingParams, processed_probs
-    from megatron_jf.models.gpt import forward_logits
+    from megatron_jf.inference.forward import forward_logits
 
     hf_small = __import__("megatron_jf.testing", fromlist=["x"]).tiny_hf_model("qwen2", vocab=6, scale=0.5, seed=9)
     eng = _engine(hf_small)

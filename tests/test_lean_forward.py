@@ -25,7 +25,7 @@ def pairs(mp1):
 @pytest.mark.parametrize("name", ["qwen2", "llama-tied"])
 def test_lean_equals_megatron_and_transformers_no_cache(pairs, name):
     from megatron_jf.inference.lean_forward import lean_forward_for
-    from megatron_jf.models.gpt import forward_logits
+    from megatron_jf.inference.forward import forward_logits
 
     hf, m = pairs[name]
     assert lean_forward_for(m) is not None
@@ -47,7 +47,8 @@ def test_lean_equals_megatron_and_transformers_no_cache(pairs, name):
 @pytest.mark.parametrize("name", ["qwen2", "llama-tied"])
 def test_lean_equals_megatron_with_kv_cache_tree_mask_and_ragged_rows(pairs, name):
     """Prefill (causal kernel), ragged committed lengths, a tree mask and a one-row step, both paths."""
-    from megatron_jf.models.gpt import forward_logits, new_kv_cache
+    from megatron_jf.inference.forward import forward_logits
+    from megatron_jf.models.gpt import new_kv_cache
 
     hf, m = pairs[name]
     prompt = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
@@ -74,7 +75,8 @@ def test_lean_equals_megatron_with_kv_cache_tree_mask_and_ragged_rows(pairs, nam
 
 
 def test_cached_prefill_uses_causal_kernel_and_matches_uncached(pairs):
-    from megatron_jf.models.gpt import forward_logits, new_kv_cache
+    from megatron_jf.inference.forward import forward_logits
+    from megatron_jf.models.gpt import new_kv_cache
 
     hf, m = pairs["qwen2"]
     toks = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(3))
@@ -96,7 +98,8 @@ def test_cached_prefill_uses_causal_kernel_and_matches_uncached(pairs):
 
 
 def test_prefill_without_logits(pairs):
-    from megatron_jf.models.gpt import forward_logits, new_kv_cache
+    from megatron_jf.inference.forward import forward_logits
+    from megatron_jf.models.gpt import new_kv_cache
 
     hf, m = pairs["llama-tied"]
     toks = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(4))
@@ -112,7 +115,8 @@ def test_prefill_without_logits(pairs):
 def test_transposed_gemv_copies_follow_weight_updates(mp1):
     """One-row forwards read transposed weight copies; loading new weights must refresh them."""
     from megatron_jf.models.convert import hf_to_mcore
-    from megatron_jf.models.gpt import forward_logits, new_kv_cache
+    from megatron_jf.inference.forward import forward_logits
+    from megatron_jf.models.gpt import new_kv_cache
     from megatron_jf.models.hf_config import ModelArgs
     from megatron_jf.testing import tiny_hf_model
 
@@ -146,7 +150,7 @@ def test_switch_off_by_env(pairs, monkeypatch):
 
 
 def test_bad_impl_is_named(pairs):
-    from megatron_jf.models.gpt import forward_logits
+    from megatron_jf.inference.forward import forward_logits
 
     with pytest.raises(ValueError, match="unknown forward impl"):
         forward_logits(pairs["qwen2"][1], torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long),
@@ -157,7 +161,8 @@ def test_inference_models_use_the_spec_the_lean_forward_runs_on(mp1, monkeypatch
     """Inference tools build the local spec while the lean forward is on, so decoding (and its CUDA-graph path)
     runs also where Transformer Engine is installed; a TE spec that cannot be built is a clear error."""
     from megatron_jf import platform
-    from megatron_jf.models.gpt import inference_transformer_impl, layer_spec
+    from megatron_jf.inference.options import inference_transformer_impl
+    from megatron_jf.models.gpt import layer_spec
     from megatron_jf.models.hf_config import ModelArgs
     from megatron_jf.testing import tiny_hf_model
 
@@ -174,3 +179,49 @@ def test_inference_models_use_the_spec_the_lean_forward_runs_on(mp1, monkeypatch
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
     assert layer_spec(args, "local").submodules.self_attention.submodules.linear_qkv is ColumnParallelLinear
+
+
+def test_local_spec_norms_do_not_follow_what_megatron_finds_installed(mp1, monkeypatch):
+    """Issue 21 items 2 and 5. megatron-core picks a block's final norm by what is installed (``TENorm`` with TE,
+    apex's LayerNorm-only ``FusedLayerNorm`` with apex) and its torch norm asserts ``not sequence_parallel`` (our CPU
+    shim hid that). Here megatron believes something else is installed and its torch norm refuses SP, as on an NGC
+    box: the model inference tools build must still have torch RMSNorms the lean forward runs on, and each norm of
+    the local spec must build under sequence parallelism with its weight marked for the TP gradient sum."""
+    from megatron.core.transformer import torch_norm, transformer_block
+
+    from megatron_jf.inference.lean_forward import LeanForward, supports
+    from megatron_jf.inference.forward import forward_logits
+    from megatron_jf.inference.options import inference_transformer_impl
+    from megatron_jf.models.gpt import build_model, layer_spec
+    from megatron_jf.models.gpt import transformer_config
+    from megatron_jf.models.hf_config import ModelArgs
+    from megatron_jf.testing import tiny_hf_model
+
+    class InstalledNorm:  # stands for megatron's pick by installation; building it is the bug
+        def __new__(cls, *a, **k):
+            raise AssertionError("the norm megatron-core picks by what is installed was built")
+
+    def no_sp(cls, config, *a, **k):  # megatron's WrappedTorchNorm on CUDA (no CPU shim)
+        if config.sequence_parallel:
+            raise AssertionError("sequence parallel not supported by torch LayerNorm")
+        return torch.nn.RMSNorm(a[0] if a else k["hidden_size"])
+
+    monkeypatch.setattr(transformer_block, "LayerNormImpl", InstalledNorm)
+    monkeypatch.setattr(torch_norm.WrappedTorchNorm, "__new__", no_sp)
+    monkeypatch.delenv("MEGATRON_JF_LEAN_FORWARD", raising=False)
+    args = ModelArgs.from_hf_dict(tiny_hf_model("qwen2", seed=0).config.to_dict())
+    m = build_model(args, transformer_impl=inference_transformer_impl()).eval()
+    assert isinstance(m.decoder.final_layernorm, torch.nn.RMSNorm) and supports(m)
+    toks = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(7)[None]
+    torch.testing.assert_close(forward_logits(m, toks, pos, impl="lean"), forward_logits(m, toks, pos, impl="megatron"),
+                               rtol=1e-5, atol=1e-5)
+    LeanForward(m)  # impl="lean"/"static" and the GPU decode check require it
+
+    cfg = transformer_config(args)
+    cfg.sequence_parallel = True  # as at TP > 1 (the config refuses SP at TP = 1; the norms only read the flag)
+    spec = layer_spec(args, "local")
+    for build in (spec.submodules.input_layernorm, spec.submodules.pre_mlp_layernorm, type(m.decoder.final_layernorm)):
+        norm = build(config=cfg, hidden_size=args.hidden_size, eps=args.rms_norm_eps)
+        assert isinstance(norm, torch.nn.RMSNorm) and norm.weight.sequence_parallel is True
+        assert norm.eps == args.rms_norm_eps and norm.weight.dtype == cfg.params_dtype

@@ -26,7 +26,7 @@ def _hf_logits(hf, tokens, pos, mask4d=None):
 
 @pytest.mark.parametrize("family,tied", [("qwen2", False), ("qwen2", True), ("llama", False), ("llama", True)])
 def test_logits_match_transformers(mp1, family, tied):
-    from megatron_jf.models.gpt import forward_logits
+    from megatron_jf.inference.forward import forward_logits
 
     hf, model, args = _pair(family, tied)
     if family == "qwen2":  # the biases really are non-zero
@@ -50,7 +50,7 @@ def test_logits_match_transformers(mp1, family, tied):
 
 def test_arbitrary_mask_matches_transformers_float_mask(mp1):
     """A block-sparse mask (a noisy block seeing itself bidirectionally) equals HF with an additive 4-D mask."""
-    from megatron_jf.models.gpt import forward_logits
+    from megatron_jf.inference.forward import forward_logits
 
     hf, model, args = _pair("qwen2", False)
     s = 12
@@ -67,7 +67,8 @@ def test_arbitrary_mask_matches_transformers_float_mask(mp1):
 
 def test_kv_cache_rows_roll_back_independently(mp1):
     """Appending blocks through the KV cache, with per-row commits, equals one full causal pass."""
-    from megatron_jf.models.gpt import forward_logits, new_kv_cache
+    from megatron_jf.inference.forward import forward_logits
+    from megatron_jf.models.gpt import new_kv_cache
 
     _, model, args = _pair("qwen2", False)
     tokens = torch.randint(0, args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
@@ -89,7 +90,8 @@ def test_kv_cache_rows_roll_back_independently(mp1):
 
 def test_kv_cache_commit_non_prefix_compacts(mp1):
     """Two candidates forwarded side by side (tree mask); keeping the second one's tokens equals a plain pass."""
-    from megatron_jf.models.gpt import forward_logits, new_kv_cache
+    from megatron_jf.inference.forward import forward_logits
+    from megatron_jf.models.gpt import new_kv_cache
 
     _, model, args = _pair("llama", False)
     g = torch.Generator().manual_seed(4)

@@ -22,7 +22,8 @@ def model(mp1):
 
 
 def _cache_with_context(model, ctx, impl):
-    from megatron_jf.models.gpt import forward_logits, new_kv_cache
+    from megatron_jf.inference.forward import forward_logits
+    from megatron_jf.models.gpt import new_kv_cache
 
     cache = new_kv_cache(model, 1, 96)
     L = ctx.shape[1] - 1
@@ -34,7 +35,7 @@ def _cache_with_context(model, ctx, impl):
 def _full_tree(model, ctx, last, draft, cands, impl):
     """One forward over [last] + draft + candidates (tree layout); returns (logits [s, V], cache)."""
     from megatron_jf.inference import mr_verify
-    from megatron_jf.models.gpt import forward_logits
+    from megatron_jf.inference.forward import forward_logits
 
     cache = _cache_with_context(model, ctx, impl)
     base = ctx.shape[1] - 1
@@ -49,7 +50,7 @@ def _full_tree(model, ctx, last, draft, cands, impl):
 def _case(model, seed, impl, n=6):
     """A draft whose first k tokens are the model's greedy tokens, and candidates that share 0..n draft tokens and
     then continue with the greedy token, a wrong token, or stop."""
-    from megatron_jf.models.gpt import forward_logits
+    from megatron_jf.inference.forward import forward_logits
 
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
@@ -79,7 +80,7 @@ def _case(model, seed, impl, n=6):
 @pytest.mark.parametrize("impl", ["lean", "megatron"])
 def test_pruned_verification_equals_full_tree(model, impl):
     from megatron_jf.inference import mr_verify
-    from megatron_jf.models.gpt import forward_logits
+    from megatron_jf.inference.forward import forward_logits
 
     wins = skipped = 0
     for seed in range(8):

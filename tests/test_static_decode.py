@@ -43,7 +43,8 @@ def test_plan_pads_to_the_bucket_and_masks_the_whole_cache():
 
 def test_static_forward_equals_cached_lean_forward_through_commit_compaction_and_rollback(model):
     """Both paths run the same sequence of decode steps on their own caches; logits and kept KV must agree."""
-    from megatron_jf.models.gpt import forward_logits, new_kv_cache
+    from megatron_jf.inference.forward import forward_logits
+    from megatron_jf.models.gpt import new_kv_cache
 
     g = torch.Generator().manual_seed(5)
     caches = {impl: new_kv_cache(model, 2, 48) for impl in ("lean", "static")}
@@ -105,7 +106,8 @@ def test_engine_with_static_decode_forced_on_cpu_equals_ar(model, monkeypatch):
 def test_cuda_graph_replay_equals_eager(model):
     from megatron_jf.inference.lean_forward import LeanForward
     from megatron_jf.inference.static_decode import StaticDecoder
-    from megatron_jf.models.gpt import forward_logits, new_kv_cache
+    from megatron_jf.inference.forward import forward_logits
+    from megatron_jf.models.gpt import new_kv_cache
 
     m = model.cuda()
     lean = LeanForward(m)

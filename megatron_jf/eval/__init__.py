@@ -10,6 +10,8 @@ Modules:
 * :mod:`.math_grading` - final-answer extraction, normalisation and equivalence (CPU-time limited).
 * :mod:`.degenerate` - flags for degenerate output (one repeated token) next to TPF and speedup.
 * :mod:`.scoring` - per-benchmark scoring, aggregation, resumable JSONL results.
+* :mod:`.speed` - the one measurement loop: AR and decoders on the same prompts, lossless check, TPF, speedup
+  against the faster AR (:mod:`.hf_baseline`: ``transformers`` greedy on the same weights).
 
 Nothing here imports torch or downloads data.
 """

@@ -1,8 +1,9 @@
 """Speed + accuracy evaluation harness (Jacobi Forcing, arXiv 2512.14681, Tables 1-3 and Appendix E).
 
 One call of :func:`run_evaluation` loads a megatron checkpoint, renders a benchmark's prompts, and for every batch
-of prompts runs **greedy AR and the chosen decoder back to back in the same process on the same token ids**, so
-the reported speedup is a same-run wall-clock ratio. Because every decoder of
+of prompts runs **greedy AR and the chosen decoder back to back in the same process on the same token ids**
+(:func:`megatron_jf.eval.speed.run_batch`, the measurement loop the quickstart report and ``bench/decode.py`` use
+too), so the reported speedup is a same-run wall-clock ratio. Because every decoder of
 :mod:`megatron_jf.inference.engine` is lossless, the greedy outputs must be identical; this is checked per sample
 (``lossless`` field) and summarised (a violation raises :class:`LosslessViolation` after everything is written,
 unless ``strict_lossless=False``). Both completions are scored (code in the sandbox of
@@ -35,7 +36,6 @@ import math
 import os
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -45,6 +45,7 @@ from .math_grading import DEFAULT_SYMBOLIC_CPU_S
 from .prompts import prompt_info, render_prompt, stop_sequences
 from .sandbox import ISOLATIONS, SandboxUnavailable, check_isolation
 from .scoring import ResultsWriter, aggregate, make_record, score_many
+from .speed import run_batch, warm_up
 
 __all__ = [
     "ChatTemplateAdapter",
@@ -304,13 +305,6 @@ def _gen_stats(res, wall_s: float) -> dict[str, Any]:
     }
 
 
-def _timed_generate(engine, ids, dec_cfg, cfg: EvalConfig, eos, stops, detok):
-    t0 = time.perf_counter()
-    out = engine.generate(ids, dec_cfg, max_new_tokens=cfg.max_new_tokens, eos_ids=eos,
-                          stop_strings=tuple(stops), detokenize=detok if stops else None)
-    return out, time.perf_counter() - t0
-
-
 def _method_summary(stats: list[dict], scores: list[bool], statuses: Sequence[str] = ()) -> dict[str, Any]:
     tok = sum(s["new_tokens"] for s in stats)
     fwd = sum(s["forwards"] for s in stats)
@@ -486,18 +480,16 @@ def run_evaluation(cfg: EvalConfig, *, loaded: Optional[LoadedModel] = None,
                            f"({too_long[0][1]} prompt tokens)")
     hf = None
     if pending and cfg.hf_baseline:
-        from megatron_jf.eval.hf_baseline import hf_twin, time_hf_greedy
+        from megatron_jf.eval.hf_baseline import hf_twin
 
         hf = hf_twin(loaded.engine.model)  # None under TP > 1
         if hf is None:
             log("[evaluate] transformers greedy baseline skipped (needs TP=1)")
+    # AR and the decoder back to back on every batch (the one measurement loop, megatron_jf/eval/speed.py)
+    methods = {"ar": ar_cfg} if cfg.decoder == "ar" else {"ar": ar_cfg, cfg.decoder: dec_cfg}
     if pending and cfg.warmup:
-        p0 = pending[0]
-        for c in (ar_cfg, dec_cfg):
-            loaded.engine.generate([ids[p0.task_id]], c, max_new_tokens=min(4, cfg.max_new_tokens),
-                                   eos_ids=loaded.eos_ids)
-        if hf is not None:
-            time_hf_greedy(hf, ids[p0.task_id], min(4, cfg.max_new_tokens))
+        warm_up(loaded.engine, ids[pending[0].task_id], methods, max_new_tokens=min(4, cfg.max_new_tokens),
+                eos_ids=loaded.eos_ids, hf=hf)
 
     bar = None
     if cfg.progress:
@@ -514,18 +506,17 @@ def run_evaluation(cfg: EvalConfig, *, loaded: Optional[LoadedModel] = None,
             # group by stop strings: they are per-request in raw mode but one list per generate call
             stops = stop_sequences(batch[0], cfg.prompt_mode)
             bids = [ids[p.task_id] for p in batch]
-            ar_out, ar_wall = _timed_generate(loaded.engine, bids, ar_cfg, cfg, loaded.eos_ids, stops, detok)
-            if cfg.decoder == "ar":
-                dec_out, dec_wall = ar_out, ar_wall
-            else:
-                dec_out, dec_wall = _timed_generate(loaded.engine, bids, dec_cfg, cfg, loaded.eos_ids, stops, detok)
+            run = run_batch(loaded.engine, bids, methods, max_new_tokens=cfg.max_new_tokens, eos_ids=loaded.eos_ids,
+                            stop_strings=tuple(stops), detokenize=detok, hf=hf)
+            ar_out, ar_wall = run.results["ar"], run.wall_s["ar"]
+            dec_out, dec_wall = run.results[cfg.decoder], run.wall_s[cfg.decoder]
             ar_text = [detok(r.tokens) for r in ar_out]
             dec_text = [detok(r.tokens) for r in dec_out]
             kw = dict(timeout_s=cfg.score_timeout_s, math_timeout_s=cfg.math_cpu_s, isolation=cfg.isolation)
             ar_scores = score_many(batch, ar_text, **kw)
             dec_scores = ar_scores if cfg.decoder == "ar" else score_many(batch, dec_text, **kw)
             for j, p in enumerate(batch):
-                lossless = ar_out[j].tokens == dec_out[j].tokens
+                lossless = run.lossless[cfg.decoder][j]
                 if not lossless:
                     log(f"[evaluate] LOSSLESS CHECK FAILED for {p.task_id}: decoder output differs from AR")
                 ar_rec = {"completion": ar_text[j], "correct": ar_scores[j].correct, "status": ar_scores[j].status,
@@ -533,8 +524,8 @@ def run_evaluation(cfg: EvalConfig, *, loaded: Optional[LoadedModel] = None,
                 extra = {"run_key": run_key, "method": method_name(dec_cfg), "decoder": cfg.decoder,
                          "lossless": lossless, "gen": _gen_stats(dec_out[j], dec_wall / len(batch)), "ar": ar_rec,
                          "prompt_tokens": len(bids[j]), "accepted": dec_out[j].accepted}
-                if hf is not None:  # transformers greedy producing exactly AR's tokens (batch 1)
-                    hf_wall, hf_toks = time_hf_greedy(hf, bids[j], len(ar_out[j].tokens))
+                if run.hf is not None:  # transformers greedy producing exactly AR's tokens (batch 1)
+                    _, hf_wall, hf_toks = run.hf[j]
                     extra["hf"] = {"wall_s": hf_wall, "new_tokens": len(hf_toks), "equal": hf_toks == ar_out[j].tokens}
                 writer.add(make_record(p, dec_text[j], dec_scores[j], prompt=texts[p.task_id], prompt_meta=pinfo,
                                        extra=extra))

@@ -20,29 +20,20 @@ for the positions the caller reads. Tensor parallelism follows megatron exactly:
 shards (QKV by whole query groups, FC1 as ``[gate_r; up_r]``), row-parallel shards followed by an
 all-reduce over the TP group, a vocab-parallel embedding (masked lookup + all-reduce).
 
-Used by :func:`megatron_jf.models.gpt.forward_logits` whenever :func:`supports` says the model is
+Used by :func:`megatron_jf.inference.forward.forward_logits` whenever :func:`supports` says the model is
 the plain local spec (no Transformer Engine modules, no sequence parallelism, no dropout).
 ``MEGATRON_JF_LEAN_FORWARD=0`` turns it off (megatron's forward is then used);
 ``MEGATRON_JF_LEAN_GEMV=all|out|none`` picks the weights kept transposed for one-row products on CPU
-(:meth:`LeanForward._gemv_policy`).
+(:meth:`LeanForward._gemv_policy`); both are read in :mod:`megatron_jf.inference.options`.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from megatron_jf.inference import options
 from megatron_jf.models.kv_cache import KVCache
-
-ENV_SWITCH = "MEGATRON_JF_LEAN_FORWARD"
-GEMV_SWITCH = "MEGATRON_JF_LEAN_GEMV"
-
-
-def enabled_by_env() -> bool:
-    """False when ``MEGATRON_JF_LEAN_FORWARD`` is ``0``/``false``/``off`` (default: on)."""
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def supports(model) -> bool:
@@ -90,12 +81,13 @@ class LeanForward:
 
     Args:
         model: an unwrapped :class:`~megatron_jf.models.gpt.JFGPTModel` for which :func:`supports` holds.
+        gemv: ``all``, ``out`` or ``none`` (see :meth:`_gemv_policy`); None: ``MEGATRON_JF_LEAN_GEMV``, else by size.
 
     Raises:
-        ValueError: the model layout is not supported.
+        ValueError: the model layout is not supported, or a bad ``gemv``.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, gemv: str | None = None):
         if not supports(model):
             raise ValueError("LeanForward needs the local layer spec on a single pipeline stage (see supports())")
         from megatron.core import parallel_state as ps
@@ -127,11 +119,11 @@ class LeanForward:
             self.layers.append(L)
         self.final_ln = model.decoder.final_layernorm
         self._cos = self._sin = None
-        self.gemv_transposed: set[str] = self._gemv_policy()
+        self.gemv_transposed: set[str] = self._gemv_policy(gemv)
         self._wt: dict[str, tuple] = {}
 
-    def _gemv_policy(self) -> set[str]:
-        """Weights whose single-row products use a transposed copy (see ``MEGATRON_JF_LEAN_GEMV``).
+    def _gemv_policy(self, mode: str | None = None) -> set[str]:
+        """Weights whose single-row products use a transposed copy (``mode``, else ``MEGATRON_JF_LEAN_GEMV``).
 
         On CPU, ``x[1, K] @ W^T`` with ``W`` stored ``[N, K]`` runs MKL's sgemm at about half the
         memory bandwidth that ``x @ W_t`` reaches with ``W_t`` stored ``[K, N]`` (measured 1.7x on
@@ -143,12 +135,10 @@ class LeanForward:
         """
         if self.emb.weight.device.type != "cpu":
             return set()
-        mode = os.environ.get(GEMV_SWITCH, "").strip().lower()
+        mode = options.gemv_mode(mode)
         if not mode:
             nbytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
             mode = "all" if nbytes <= 4 << 30 else "out"
-        if mode not in ("all", "out", "none"):
-            raise ValueError(f"{GEMV_SWITCH} must be all, out or none, got {mode!r}")
         if mode == "none":
             return set()
         names = {"out"}
@@ -288,7 +278,7 @@ def _rotate_half(x):
 
 def lean_forward_for(model) -> LeanForward | None:
     """The model's cached :class:`LeanForward`, built on first use; None when unsupported or switched off."""
-    if not enabled_by_env():
+    if not options.lean_forward_on():
         return None
     lf = getattr(model, "_jf_lean_forward", None)
     if lf is None:

@@ -19,38 +19,32 @@ it, with the same emitted tokens:
             Jacobi forward.
 
 ``auto`` (the default) picks ``pruned`` on CPU and ``tree`` on CUDA; ``MEGATRON_JF_MR_VERIFY`` or
-``Engine(mr_verify=...)`` overrides it. Sampling is unaffected: the winner is chosen from greedy match
+``Engine(mr_verify=...)`` overrides it (:mod:`megatron_jf.inference.options`). Sampling is unaffected: the winner is chosen from greedy match
 lengths, which the pruning preserves, and then verified with the speculative rule on its own logits.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from megatron_jf.decoding.base import accepted_prefix
+from megatron_jf.inference import options
+from megatron_jf.inference.forward import forward_logits
 from megatron_jf.inference.sampling import argmax_list
 
-MODES = ("auto", "tree", "pruned")
-ENV = "MEGATRON_JF_MR_VERIFY"
+MODES = options.MR_VERIFY_MODES
 
 
 def resolve_mode(mode: str | None, device: torch.device) -> str:
-    """``tree`` or ``pruned`` for ``mode`` (``auto``/None: ``MEGATRON_JF_MR_VERIFY``, else by device).
+    """``tree`` or ``pruned`` for ``mode`` (``auto``/None: ``MEGATRON_JF_MR_VERIFY``, else by device); see
+    :func:`megatron_jf.inference.options.mr_verify_mode`.
 
     Raises:
         ValueError: an unknown mode (argument or environment).
     """
-    m = (mode or "auto").strip().lower()
-    if m == "auto":
-        m = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if m not in MODES:
-        raise ValueError(f"unknown MR verification mode {m!r} (from {'the argument' if mode not in (None, 'auto') else ENV}); "
-                         f"choose one of {', '.join(MODES)}")
-    if m == "auto":
-        return "tree" if torch.device(device).type == "cuda" else "pruned"
-    return m
+    return options.mr_verify_mode(mode, torch.device(device))
 
 
 @dataclass
@@ -73,13 +67,7 @@ class Branch:
     next_token: int
 
 
-def matches(draft: list[int], g: list[int]) -> int:
-    """Length of the longest prefix of ``draft`` equal to the greedy predictions ``g`` (``g[j]`` predicts ``draft[j]``)."""
-    k = 0
-    n = min(len(draft), len(g))
-    while k < n and draft[k] == g[k]:
-        k += 1
-    return k
+matches = accepted_prefix  # the longest prefix of ``draft`` equal to the greedy predictions ``g``
 
 
 def tree_mask(n_main: int, cand_lens: list[int], s: int) -> torch.Tensor:
@@ -187,8 +175,6 @@ def pruned_second_pass(model, cache, *, base: int, block: int, main_logits: torc
     Raises:
         ValueError: the trie does not fit in the cache after the block (``KVCache.begin``: overflow).
     """
-    from megatron_jf.models.gpt import forward_logits
-
     k = k_main
     toks, parents, depths, paths = _trie([c[k:] for c in live])
     s2 = len(toks)

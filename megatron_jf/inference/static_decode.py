@@ -24,33 +24,23 @@ eagerly. With CUDA each bucket is captured once (after a warm-up replay) and rep
 beyond the largest bucket, or a cache row near its capacity, fall back to the eager path (same function).
 
 Switch: on by default with CUDA (``MEGATRON_JF_CUDA_GRAPHS=0`` keeps the static path eager,
-``MEGATRON_JF_STATIC_DECODE=0`` turns it off, ``=force`` runs it eagerly on CPU too); see
-:func:`megatron_jf.models.gpt.forward_logits`.
+``MEGATRON_JF_STATIC_DECODE=0`` turns it off, ``=force`` runs it eagerly on CPU too; read in
+:mod:`megatron_jf.inference.options`); see :func:`megatron_jf.inference.forward.forward_logits`.
+
+Lifetime: a decoder (its captured graphs and their memory pools) belongs to one cache. The engine's
+:class:`~megatron_jf.inference.runner.ModelRunner` owns the decoders of its cache's row views (a bounded number)
+and drops them with the cache; :func:`static_decoder_for` keeps a bare cache's decoder on that cache.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from megatron_jf.inference import options
 from megatron_jf.models.kv_cache import KVCache
-
-STATIC_SWITCH = "MEGATRON_JF_STATIC_DECODE"
-GRAPH_SWITCH = "MEGATRON_JF_CUDA_GRAPHS"
-
-
-def _env_on(name: str) -> bool:
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
-
-
-def static_decode_enabled(device: torch.device) -> bool:
-    """The static path is used by default on CUDA devices (``MEGATRON_JF_STATIC_DECODE=0`` turns it off,
-    ``=force`` turns it on for any device: eager static shapes on CPU, for tests)."""
-    v = os.environ.get(STATIC_SWITCH, "1").strip().lower()
-    return v == "force" or (device.type == "cuda" and _env_on(STATIC_SWITCH))
 
 
 @dataclass
@@ -143,7 +133,7 @@ class StaticDecoder:
         self.buckets = sorted(set(buckets)) if buckets else []
         self.learn = not buckets
         self.max_buckets = max_buckets
-        self.use_graphs = (self.device.type == "cuda" and _env_on(GRAPH_SWITCH)) if use_graphs is None else use_graphs
+        self.use_graphs = options.cuda_graphs_on(self.device) if use_graphs is None else use_graphs
         self._graphs: dict[int, tuple] = {}
         self._seen: dict[int, int] = {}
         self.replays = 0
@@ -191,7 +181,7 @@ class StaticDecoder:
     # ------------------------------------------------------------------ public
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, new_mask: torch.Tensor | None = None):
         """Cached forward of ``tokens`` ``[B, s]`` after each row's committed tokens; logits ``[B, s, V_padded]``
-        (new tokens stay uncommitted until ``cache.commit``, as with :func:`~megatron_jf.models.gpt.forward_logits`).
+        (new tokens stay uncommitted until ``cache.commit``, as with :func:`~megatron_jf.inference.forward.forward_logits`).
         Returns None when this shape takes the exact-shape path (the caller runs it)."""
         s = tokens.shape[1]
         if self.learn and s not in self.buckets:
@@ -222,15 +212,9 @@ class StaticDecoder:
 
 
 def static_decoder_for(lean, cache: KVCache) -> StaticDecoder:
-    """The :class:`StaticDecoder` of this cache's buffers (one per buffer address and shape, kept on ``lean``)."""
-    key = (cache.k.data_ptr(), tuple(cache.k.shape), cache.k.dtype)
-    table = getattr(lean, "_static", None)
-    if table is None:
-        table = lean._static = {}
-    dec = table.get(key)
-    if dec is None or dec.cache is not cache:
-        if dec is not None:  # a view of the same buffers (engine row views): share the graphs, follow lengths
-            dec.cache = cache
-        else:
-            dec = table[key] = StaticDecoder(lean, cache)
+    """The :class:`StaticDecoder` of ``cache``, kept on the cache itself: it lives exactly as long as the cache (a
+    new cache gets a new decoder; nothing outlives the cache that its graphs were captured on)."""
+    dec = cache.__dict__.get("_static_decoder")
+    if dec is None or dec.lean is not lean:
+        dec = cache._static_decoder = StaticDecoder(lean, cache)
     return dec

@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import numpy as np
 import torch
 
+from megatron_jf.eval.hf_baseline import HF as HF_ROW  # "transformers greedy"
 from megatron_jf.fileio import atomic_write_json, atomic_write_text
-
-
-HF_ROW = "transformers greedy"
 
 
 def _load(path):
@@ -40,7 +37,7 @@ def heldout_nll(model, tokens: np.ndarray, chunks: int, seq: int = 256) -> tuple
         next-token predictions, int64 ``[chunks, seq]`` (compared across models for teacher-forced agreement,
         which unlike free-running agreement is not dominated by where two greedy continuations first part).
     """
-    from megatron_jf.models.gpt import forward_logits
+    from megatron_jf.inference.forward import forward_logits
 
     starts = np.linspace(0, len(tokens) - seq - 2, chunks).astype(int)
     total, count, preds = 0.0, 0, []
@@ -163,8 +160,9 @@ def build_report(pipe) -> dict:
 
 
 def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos) -> dict:
-    """One model: held-out NLL and argmax, then every decoder batched (TPF; output asserted equal to greedy AR)
-    and at batch 1 on the first ``p.timing_prompts`` prompts (TPS), then the Jacobi block-size sweep.
+    """One model: held-out NLL and argmax, then every decoder batched over all prompts (TPF; output asserted equal
+    to greedy AR) and at batch 1 on the first ``p.timing_prompts`` prompts, decoders back to back per prompt next to
+    ``transformers`` greedy (TPS; :func:`megatron_jf.eval.speed.measure`), then the Jacobi block-size sweep.
 
     Returns:
         JSON-ready ``{"rows", "curve", "outputs", "tf_argmax", "jacobi_tpf"}``.
@@ -172,52 +170,39 @@ def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos) -> dict:
     Raises:
         AssertionError: a decoder's output differs from greedy AR (a losslessness bug).
     """
-    from megatron_jf.eval.hf_baseline import hf_twin, time_hf_greedy_decode
+    from megatron_jf.eval.hf_baseline import hf_twin
+    from megatron_jf.eval.speed import measure
     from megatron_jf.inference.engine import DecodeConfig, Engine
 
     model = _load(ckpt)
     eng = Engine(model)
     R = p.response_tokens
     nll, argmax = heldout_nll(model, held, p.nll_chunks) if held is not None else (float("nan"), None)
-    rows, curve, ref, jacobi_tpf = [], {}, None, None
-    for name, cfg in decoders.items():
-        res = eng.generate(prompts, cfg, max_new_tokens=R, eos_ids=eos)  # batched: TPF and losslessness
-        toks = [r.tokens for r in res]
-        if ref is None:
-            ref = toks
-        elif toks != ref:
-            bad = sum(a != b for a, b in zip(toks, ref))
-            raise AssertionError(f"{label} {name}: {bad} outputs differ from greedy AR: decoder not lossless")
-        emitted = sum(len(t) for t in toks)
-        fwd = sum(r.forwards for r in res)
-        if cfg.decoder == "jacobi":
-            jacobi_tpf = [r.tpf for r in res]
-            curve[cfg.block_size] = emitted / fwd
-        # wall clock at batch 1, same prompts for every decoder: speedup is a same-run ratio
-        t0 = time.perf_counter()
-        tim = [eng.generate([pr], cfg, max_new_tokens=R, eos_ids=eos)[0] for pr in prompts[: p.timing_prompts]]
-        wall = time.perf_counter() - t0
-        dec_s = sum(r.decode_s for r in tim)
-        ntok = sum(len(r.tokens) for r in tim)
-        rows.append({"model": label, "decoder": name, "tpf": emitted / fwd, "tps": ntok / dec_s,
-                     "tps_e2e": ntok / wall, "tokens": emitted, "forwards": fwd, "nll": nll, "lossless": True})
+    kw = dict(max_new_tokens=R, eos_ids=eos, label=label)
+    batched = measure(eng, prompts, decoders, batch_size=len(prompts), **kw)  # TPF and losslessness
+    ref = batched.outputs
     hf = hf_twin(model)  # transformers greedy on the same weights, same timing prompts, exactly AR's tokens
+    timed = measure(eng, prompts[: p.timing_prompts], decoders, batch_size=1, hf=hf, **kw)  # same-run TPS
+    rows, curve, jacobi_tpf = [], {}, None
+    for name, cfg in decoders.items():
+        b, t = batched.methods[name], timed.methods[name]
+        if cfg.decoder == "jacobi":
+            jacobi_tpf = [r.tpf for r in b.results]
+            curve[cfg.block_size] = b.tpf
+        rows.append({"model": label, "decoder": name, "tpf": b.tpf, "tps": t.tps, "tps_e2e": t.tps_e2e,
+                     "tokens": b.tokens, "forwards": b.forwards, "nll": nll, "lossless": True})
     if hf is not None:
-        dec_s = e2e = 0.0
-        for pr, want in zip(prompts[: p.timing_prompts], ref):
-            d, w, toks = time_hf_greedy_decode(hf, pr, len(want))
-            assert toks == want, f"{label}: transformers greedy differs from this project's greedy AR"
-            dec_s, e2e = dec_s + d, e2e + w
-        ntok = sum(len(t) for t in ref[: p.timing_prompts])
-        rows.append({"model": label, "decoder": HF_ROW, "tpf": 1.0, "tps": ntok / dec_s, "tps_e2e": ntok / e2e,
-                     "tokens": sum(len(t) for t in ref), "forwards": sum(len(t) for t in ref), "nll": nll,
-                     "lossless": True})
+        h = timed.methods[HF_ROW]
+        ntok = sum(len(t) for t in ref)
+        rows.append({"model": label, "decoder": HF_ROW, "tpf": 1.0, "tps": h.tps, "tps_e2e": h.tps_e2e,
+                     "tokens": ntok, "forwards": ntok, "nll": nll, "lossless": True})
         del hf
     for nb in p.eval_block_sizes:
         if nb not in curve:
-            res = eng.generate(prompts, DecodeConfig("jacobi", block_size=nb), max_new_tokens=R, eos_ids=eos)
-            assert [r.tokens for r in res] == ref, f"{label} jacobi n={nb} not lossless"
-            curve[nb] = sum(len(r.tokens) for r in res) / sum(r.forwards for r in res)
+            name = f"jacobi n={nb}"
+            sweep = measure(eng, prompts, {name: DecodeConfig("jacobi", block_size=nb)}, batch_size=len(prompts),
+                            reference=ref, **kw)
+            curve[nb] = sweep.methods[name].tpf
     curve = {nb: curve[nb] for nb in p.eval_block_sizes}
     return {"rows": rows, "curve": curve, "outputs": ref, "jacobi_tpf": jacobi_tpf,
             "tf_argmax": None if argmax is None else argmax.tolist()}

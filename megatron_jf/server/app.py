@@ -35,10 +35,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from megatron_jf.inference.engine import DecodeConfig
+from megatron_jf.inference.results import GenerationResult
 from megatron_jf.server import protocol
 from megatron_jf.server.metrics import CONTENT_TYPE, Metrics
 from megatron_jf.server.protocol import Limits, ParsedRequest, RequestError
-from megatron_jf.server.scheduler import GenRequest, QueueFullError, RequestOutput, Scheduler, SchedulerStoppedError
+from megatron_jf.server.scheduler import GenRequest, QueueFullError, Scheduler, SchedulerStoppedError
 from megatron_jf.tokenizer import IncrementalDecoder, stop_token_ids
 
 _ETYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
@@ -90,7 +91,7 @@ def _finish(reason: str) -> str:
     return "length" if reason == "length" else "stop"
 
 
-def _stats(cfg: DecodeConfig, out: RequestOutput) -> dict:
+def _stats(cfg: DecodeConfig, out: GenerationResult) -> dict:
     return {"decoder": cfg.decoder, "config": {k: getattr(cfg, k) for k in protocol.JF_FIELDS},
             "forwards": out.forwards, "tpf": round(out.tpf, 4), "batch_size": out.batch_size,
             "prefill_s": round(out.prefill_s, 6), "decode_s": round(out.decode_s, 6), "queue_s": round(out.queue_s, 6),
@@ -193,7 +194,7 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str = "megatron-j
         scheduler.submit(req)
         return req
 
-    async def _wait(req: GenRequest) -> RequestOutput:
+    async def _wait(req: GenRequest) -> GenerationResult:
         while True:
             kind, payload = await req.queue.get()
             if kind == "done":
@@ -207,7 +208,7 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str = "megatron-j
         while (await request.receive()).get("type") != "http.disconnect":
             pass
 
-    async def _wait_all(request: Request, reqs: list[GenRequest]) -> list[RequestOutput]:
+    async def _wait_all(request: Request, reqs: list[GenRequest]) -> list[GenerationResult]:
         """The outputs of ``reqs``; if the client disconnects first (or anything fails), every request is
         cancelled -- its row leaves the batch at the next engine step."""
         watcher = asyncio.ensure_future(_disconnected(request))
@@ -251,11 +252,11 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str = "megatron-j
             return wrapped
         return deco
 
-    def _text(prompt_ids, out: RequestOutput) -> str:
+    def _text(prompt_ids, out: GenerationResult) -> str:
         d = IncrementalDecoder(tokenizer, prompt_ids)
         return d.push(out.tokens) + d.flush() + out.tail_text
 
-    def _api_answer(p: ParsedRequest, outs: list[RequestOutput]) -> dict:
+    def _api_answer(p: ParsedRequest, outs: list[GenerationResult]) -> dict:
         texts, segs, toks = [], [], []
         for ptxt, pids, o in zip(p.prompt_texts, p.prompts, outs):
             texts.append(ptxt + _text(pids, o))
@@ -350,7 +351,7 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str = "megatron-j
                     yield "data: [DONE]\n\n"
                     return
                 else:
-                    out: RequestOutput = payload
+                    out: GenerationResult = payload
                     done, code = True, 200
                     tail = await run_in_threadpool(dec.flush) + out.tail_text
                     yield chunk(tail, finish=_finish(out.finish_reason), ids=[],

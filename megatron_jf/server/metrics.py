@@ -80,7 +80,7 @@ class Metrics:
         self._requests.labels(endpoint, str(code)).inc()
 
     def generation_done(self, out, latency_s: float, ttft_s: float | None) -> None:
-        """Record one finished generation (a :class:`~megatron_jf.server.scheduler.RequestOutput`)."""
+        """Record one finished generation (a :class:`~megatron_jf.inference.results.GenerationResult`)."""
         mn = self.model_name
         n = len(out.tokens)
         self._prompt.labels(mn).inc(out.prompt_len)

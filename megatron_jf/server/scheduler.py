@@ -16,7 +16,10 @@ returns for its prompt, and a seeded sampled one what offline generate with that
 
 Streaming. The session's ``on_tokens`` pushes each group of final tokens to the request's asyncio queue
 (thread-safe, via ``loop.call_soon_threadsafe``) as ``("tokens", ids)``; the end of the request is
-``("done", RequestOutput)`` or ``("error", exception)``.
+``("done", GenerationResult)`` (with ``queue_s`` set) or ``("error", exception)``.
+
+Admission is the session's :class:`~megatron_jf.inference.slots.SlotTable`: a request is checked against the context
+window when submitted (:func:`~megatron_jf.inference.slots.check_request`) and joins while the table has free rows.
 
 Tensor parallelism. With ``broadcast=True`` each step's changes (rows added, with token ids and
 parameters; rows removed) are sent from rank 0 with ``torch.distributed.broadcast_object_list`` before
@@ -36,8 +39,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from megatron_jf.inference.engine import DecodeConfig, Engine, GenerationResult
+from megatron_jf.inference.engine import DecodeConfig, Engine
 from megatron_jf.inference.sampling import SamplingParams
+from megatron_jf.inference.slots import check_request
 
 log = logging.getLogger("megatron_jf.server")
 
@@ -51,42 +55,6 @@ class SchedulerStoppedError(RuntimeError):
 
 
 _ids = itertools.count()
-
-
-@dataclass
-class RequestOutput:
-    """Result of one request (one batch row).
-
-    Attributes:
-        tokens: emitted ids (EOS included when it ended the request; with a stop string, the tokens
-            entirely before it).
-        finish_reason: ``eos``, ``stop`` (a stop string) or ``length``.
-        forwards: decode forwards the row took.
-        prompt_len: prompt tokens.
-        batch_size: rows in the engine step that finished it.
-        prefill_s, decode_s: engine wall seconds (its prefill forward; the steps it was part of).
-        queue_s: seconds between submit and the prefill.
-        tail_text: text before the stop string of a token that straddles it (see
-            :class:`~megatron_jf.inference.engine.GenerationResult`).
-        draft_lens, draft_accepted: per forward, draft tokens verified and accepted.
-    """
-
-    tokens: list[int]
-    finish_reason: str
-    forwards: int
-    prompt_len: int
-    batch_size: int
-    prefill_s: float
-    decode_s: float
-    queue_s: float
-    tail_text: str = ""
-    draft_lens: list[int] = field(default_factory=list)
-    draft_accepted: list[int] = field(default_factory=list)
-
-    @property
-    def tpf(self) -> float:
-        """Tokens per decode forward."""
-        return len(self.tokens) / max(self.forwards, 1)
 
 
 @dataclass
@@ -218,13 +186,7 @@ class Scheduler:
             SchedulerStoppedError: after :meth:`shutdown`.
             ValueError: the prompt is empty or prompt + ``max_tokens`` exceeds the context window.
         """
-        if not req.prompt:
-            raise ValueError("prompt is empty")
-        if req.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {req.max_tokens}")
-        if len(req.prompt) + req.max_tokens > self.max_context:
-            raise ValueError(f"prompt ({len(req.prompt)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
-                             f"context window of {self.max_context} tokens")
+        check_request(req.prompt, req.max_tokens, self.max_context)
         if not req.sampling.greedy and not req.seeded:
             req.sampling = SamplingParams(req.sampling.temperature, req.sampling.top_k, req.sampling.top_p,
                                           seed=random.randrange(1 << 31))
@@ -290,7 +252,7 @@ class Scheduler:
                 for k in removed:
                     del self._live[k]
                 admitted = []
-                free = self.max_batch - len(self._live)
+                free = sess.free + len(removed)  # the slot table's free rows once the cancelled rows leave
                 while self._waiting and len(admitted) < free:
                     r = self._waiting.popleft()
                     if not r.cancelled:
@@ -324,12 +286,12 @@ class Scheduler:
             for k, res in done:
                 r = self._live.pop(k)
                 r.finished = t
-                out = _output(r, res, rows)
+                res.queue_s = (r.started or r.submitted) - r.submitted
                 if self.metrics is not None:
-                    self.metrics.generation_done(out, t - r.submitted,
+                    self.metrics.generation_done(res, t - r.submitted,
                                                  None if r.first_token is None else r.first_token - r.submitted)
                 if not r.cancelled:
-                    r._emit("done", out)
+                    r._emit("done", res)
             if done:
                 with self._cv:
                     self._gauges()
@@ -345,13 +307,6 @@ class Scheduler:
             r.first_token = time.perf_counter()
         if not r.cancelled:
             r._emit("tokens", ids)
-
-
-def _output(r: GenRequest, res: GenerationResult, rows: int) -> RequestOutput:
-    return RequestOutput(tokens=list(res.tokens), finish_reason=res.finish_reason, forwards=res.forwards,
-                         prompt_len=len(r.prompt), batch_size=rows, prefill_s=res.prefill_s, decode_s=res.decode_s,
-                         queue_s=(r.started or r.submitted) - r.submitted, tail_text=res.tail_text,
-                         draft_lens=list(res.draft_lens), draft_accepted=list(res.draft_accepted))
 
 
 def follower_loop(engine: Engine, detokenize, group=None, *, max_batch: int = 32, max_width: int = 512) -> None:

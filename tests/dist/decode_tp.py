@@ -8,7 +8,8 @@ def main():
     from megatron_jf import parallel
     from megatron_jf.inference.engine import DecodeConfig, Engine
     from megatron_jf.models.convert import hf_to_mcore
-    from megatron_jf.models.gpt import build_model, forward_logits, new_kv_cache
+    from megatron_jf.inference.forward import forward_logits
+    from megatron_jf.models.gpt import build_model, new_kv_cache
     from megatron_jf.models.hf_config import ModelArgs
     from megatron_jf.testing import peaked_hf_model
 

@@ -26,7 +26,8 @@ def run_case(mode, case, family, tied, tp, pp):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_jf.models.convert import hf_to_mcore
-    from megatron_jf.models.gpt import build_model, forward_logits
+    from megatron_jf.inference.forward import forward_logits
+    from megatron_jf.models.gpt import build_model
     from megatron_jf.models.hf_config import ModelArgs
     from megatron_jf.testing import tiny_hf_model
 

@@ -1,0 +1,70 @@
+"""The decode configuration: which decoder, and its parameters (paper Sec. 2.1, 3.2; Algorithm 1).
+
+Pure Python (standard library only), shared by every engine that runs the drafting policies of
+:mod:`megatron_jf.decoding`.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+DECODERS = ("ar", "jacobi", "running-window", "mr")
+DRAFT_INITS = ("context", "repeat")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Decoder choice and its parameters.
+
+    Attributes:
+        decoder: one of ``DECODERS``.
+        block_size: n, draft tokens per block (jacobi, running-window, mr).
+        num_blocks: K, blocks in flight (mr; 1 = rejection recycling only).
+        spawn_threshold: r in (0, 1]; a pseudo-active block spawns at ``ceil(r*n)`` stable tokens (mr).
+        verification_size: drafts verified per forward for the RA block, the Jacobi draft included (mr).
+        ngram_pool_size: n-grams kept per first token in the pool (mr).
+        draft_init: ``context`` (tokens drawn uniformly from prompt + output, as the paper's
+            trajectories are initialised) or ``repeat`` (the last token repeated).
+
+    Raises:
+        ValueError: unknown decoder or draft init, n < 1, K < 1, r outside (0, 1], verification size < 1.
+    """
+
+    decoder: str = "ar"
+    block_size: int = 16
+    num_blocks: int = 2
+    spawn_threshold: float = 0.85
+    verification_size: int = 4
+    ngram_pool_size: int = 8
+    draft_init: str = "context"
+
+    def __post_init__(self):
+        if self.decoder not in DECODERS:
+            raise ValueError(f"unknown decoder {self.decoder!r}; choose one of {', '.join(DECODERS)}")
+        if self.block_size < 1:
+            raise ValueError(f"block size n must be >= 1, got {self.block_size}")
+        if self.num_blocks < 1:
+            raise ValueError(f"number of blocks K must be >= 1, got {self.num_blocks}")
+        if not 0 < self.spawn_threshold <= 1:
+            raise ValueError(f"spawn threshold r must be in (0, 1], got {self.spawn_threshold}")
+        if self.verification_size < 1:
+            raise ValueError(f"verification size must be >= 1, got {self.verification_size}")
+        if self.draft_init not in DRAFT_INITS:
+            raise ValueError(f"unknown draft init {self.draft_init!r}; choose one of {', '.join(DRAFT_INITS)}")
+        if self.decoder == "mr" and self.num_blocks > 1 and math.ceil(self.spawn_threshold * self.block_size) >= self.block_size:
+            # the RA block has at most n-1 accepted tokens while in flight (it retires at n), so a pseudo-active
+            # block needs ceil(r*n) <= n-1 to ever spawn
+            warnings.warn(f"mr with K={self.num_blocks} never spawns a second block: r={self.spawn_threshold} needs "
+                          f"ceil(r*n)={math.ceil(self.spawn_threshold * self.block_size)} stable tokens in a block of "
+                          f"n={self.block_size}, which retires at n; this runs as K=1 (use r <= "
+                          f"{(self.block_size - 1) / self.block_size:.3g})", UserWarning, stacklevel=3)
+
+
+def forward_width(cfg: DecodeConfig) -> int:
+    """Tokens one row forwards per decode step under ``cfg`` (``last`` + drafts + recycled candidates):
+    AR 1, Jacobi / running window ``n + 1``, MR ``1 + K*n + (v-1)*n``."""
+    n = cfg.block_size
+    return {"ar": 1, "jacobi": n + 1, "running-window": n + 1,
+            "mr": 1 + cfg.num_blocks * n + (cfg.verification_size - 1) * n}[cfg.decoder]

@@ -1,0 +1,220 @@
+"""The one measurement loop: AR and decoders timed on the same prompts in one run, losslessness checked, TPF counted,
+speedups reported against the faster AR (paper Sec. 4.1; issue 14: this project's AR or ``transformers`` greedy
+on the same weights, whichever is faster).
+
+Used by the evaluator (:mod:`megatron_jf.eval.harness`, per batch: :func:`run_batch`), the quickstart report
+(:mod:`megatron_jf.quickstart.report`) and ``bench/decode.py`` (both :func:`measure`).
+
+For each batch of prompts, every method runs back to back on the same token ids (the AR reference first), each
+``generate`` call timed on the wall clock; ``transformers`` greedy (when given) then produces exactly the
+reference's tokens for each prompt at batch 1, timed end to end and decode-only. A method's output is lossless
+when it equals the reference's, prompt by prompt.
+
+Definitions (sums over prompts, ratios of sums):
+
+* TPF = emitted tokens / decode forwards (AR: exactly 1 unless a stop string cut the output);
+* TPS (decode) = tokens / decode seconds; end-to-end TPS = tokens / wall seconds, a prompt's wall seconds being its
+  batch's ``generate`` time divided by the batch size;
+* speedup = a method's decode TPS / the faster AR's decode TPS (:meth:`Speed.speedup`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+from megatron_jf.eval.hf_baseline import HF, time_hf_greedy_decode
+
+
+class LosslessError(AssertionError):
+    """A decoder's greedy output differs from greedy AR's (the decoders are lossless by construction: a bug)."""
+
+
+@dataclass
+class BatchRun:
+    """One batch, every method on it.
+
+    Attributes:
+        results: per method, one :class:`~megatron_jf.inference.results.GenerationResult` per prompt.
+        wall_s: per method, the wall seconds of its ``generate`` call on the whole batch.
+        lossless: per method, per prompt: tokens equal to the reference's.
+        hf: per prompt ``(decode seconds, end-to-end seconds, tokens)`` of ``transformers`` greedy, or None.
+    """
+
+    results: dict[str, list]
+    wall_s: dict[str, float]
+    lossless: dict[str, list[bool]]
+    hf: list[tuple[float, float, list[int]]] | None = None
+
+
+def _reference_name(methods: dict) -> str | None:
+    return next((k for k, c in methods.items() if c.decoder == "ar"), None)
+
+
+def run_batch(engine, prompts: list[list[int]], methods: dict, *, max_new_tokens: int, eos_ids=frozenset(),
+              stop_strings: tuple[str, ...] = (), detokenize=None, hf=None, reference: list[list[int]] | None = None,
+              around=None) -> BatchRun:
+    """Run every method of ``methods`` (name -> :class:`~megatron_jf.decoding.DecodeConfig`) on ``prompts``.
+
+    Args:
+        reference: the prompts' reference tokens; default: those of the first AR config in ``methods``.
+        hf: a ``transformers`` twin of the model (:func:`~megatron_jf.eval.hf_baseline.hf_twin`) or None.
+        around: optional ``name -> context manager`` entered around each method's ``generate`` (bench hooks).
+
+    Raises:
+        ValueError: no reference (neither ``reference`` nor an AR config).
+    """
+    ref_name = _reference_name(methods)
+    if reference is None and ref_name is None:
+        raise ValueError("run_batch needs an AR config in methods or reference tokens")
+    results, wall = {}, {}
+    for name, cfg in methods.items():
+        with (around(name) if around is not None else contextlib.nullcontext()):
+            t0 = time.perf_counter()
+            results[name] = engine.generate(prompts, cfg, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                                            stop_strings=tuple(stop_strings),
+                                            detokenize=detokenize if stop_strings else None)
+            wall[name] = time.perf_counter() - t0
+    ref = reference if reference is not None else [r.tokens for r in results[ref_name]]
+    lossless = {name: [r.tokens == t for r, t in zip(res, ref)] for name, res in results.items()}
+    hf_runs = None
+    if hf is not None:
+        hf_runs = [time_hf_greedy_decode(hf, p, len(t)) for p, t in zip(prompts, ref)]
+    return BatchRun(results, wall, lossless, hf_runs)
+
+
+@dataclass
+class MethodStats:
+    """Totals of one method over every prompt (see the module docstring for the definitions)."""
+
+    name: str
+    config: object = None                 # None for transformers greedy
+    tokens: int = 0
+    forwards: int = 0
+    decode_s: float = 0.0
+    prefill_s: float = 0.0
+    wall_s: float = 0.0
+    identical: int = 0
+    mismatched: list[int] = field(default_factory=list)   # prompt indices
+    outputs: list[list[int]] = field(default_factory=list)
+    results: list = field(default_factory=list)
+
+    @property
+    def tpf(self) -> float:
+        return self.tokens / self.forwards if self.forwards else float("nan")
+
+    @property
+    def tps(self) -> float:
+        """Decode tokens per second."""
+        return self.tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+    @property
+    def tps_e2e(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else float("nan")
+
+
+@dataclass
+class Speed:
+    """Every method's totals (in the order run; ``transformers greedy`` last when timed).
+
+    Attributes:
+        reference: the AR method the outputs were checked against (None when reference tokens were given).
+        outputs: the reference tokens per prompt.
+    """
+
+    methods: dict[str, MethodStats]
+    reference: str | None
+    outputs: list[list[int]]
+
+    @property
+    def fastest_ar(self) -> str:
+        """Name of the faster AR by decode TPS: the reference AR or ``transformers greedy`` (the reference on ties).
+
+        Raises:
+            ValueError: no AR was timed (reference tokens were given instead).
+        """
+        ars = [n for n in (self.reference, HF) if n in self.methods]
+        if not ars:
+            raise ValueError("no AR was timed in this measurement")
+        return max(ars, key=lambda n: (self.methods[n].tps, n == self.reference))
+
+    def speedup(self, name: str) -> float:
+        """Decode TPS of ``name`` / decode TPS of :attr:`fastest_ar`."""
+        return self.methods[name].tps / self.methods[self.fastest_ar].tps
+
+
+def measure(engine, prompts: list[list[int]], methods: dict, *, max_new_tokens: int, batch_size: int = 1,
+            eos_ids=frozenset(), stop_strings: tuple[str, ...] = (), detokenize=None, hf=None, strict: bool = True,
+            reference: list[list[int]] | None = None, around=None, label: str = "", interleave: bool = True) -> Speed:
+    """Run ``methods`` on ``prompts`` in batches of ``batch_size`` (:func:`run_batch`) and total them.
+
+    Without an AR config in ``methods`` and without ``reference`` tokens, an AR run named ``AR`` is added first.
+    ``interleave``: every method back to back on each batch (default); False: each method over all batches in
+    turn, the reference first, ``transformers`` greedy last (the order ``bench/decode.py`` has always used, which
+    keeps a method's caches warm across its prompts).
+
+    Raises:
+        LosslessError: (``strict``) some method's output differs from the reference on some prompt.
+    """
+    methods = dict(methods)
+    if reference is None and _reference_name(methods) is None:
+        from megatron_jf.decoding import DecodeConfig
+
+        methods = {"AR": DecodeConfig("ar"), **methods}
+    ref_name = _reference_name(methods) if reference is None else None
+    ref_out = [] if reference is None else [list(t) for t in reference]
+    stats = {n: MethodStats(n, c) for n, c in methods.items()}
+    if hf is not None:
+        stats[HF] = MethodStats(HF)
+    starts = range(0, len(prompts), batch_size)
+    if interleave:
+        plan = [(b0, methods, hf) for b0 in starts]
+    else:
+        order = sorted(methods, key=lambda n: n != ref_name)  # the reference first: the others check against it
+        plan = [(b0, {n: methods[n]}, None) for n in order for b0 in starts]
+        plan += [(b0, {}, hf) for b0 in starts] if hf is not None else []
+    for b0, subset, hf_b in plan:
+        batch = prompts[b0: b0 + batch_size]
+        ref = reference[b0: b0 + batch_size] if reference is not None else (
+            None if ref_name in subset else ref_out[b0: b0 + batch_size])
+        run = run_batch(engine, batch, subset, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                        stop_strings=stop_strings, detokenize=detokenize, hf=hf_b, reference=ref, around=around)
+        for name, res in run.results.items():
+            s = stats[name]
+            s.results += res
+            s.outputs += [r.tokens for r in res]
+            s.tokens += sum(len(r.tokens) for r in res)
+            s.forwards += sum(r.forwards for r in res)
+            s.decode_s += sum(r.decode_s for r in res)
+            s.prefill_s += sum(r.prefill_s for r in res)
+            s.wall_s += run.wall_s[name]
+            s.identical += sum(run.lossless[name])
+            s.mismatched += [b0 + j for j, ok in enumerate(run.lossless[name]) if not ok]
+        if ref_name in run.results:
+            ref_out += [r.tokens for r in run.results[ref_name]]
+        for j, (d, e2e, toks) in enumerate(run.hf or ()):  # exactly the reference's tokens, at batch 1
+            s = stats[HF]
+            s.tokens, s.forwards = s.tokens + len(toks), s.forwards + len(toks)
+            s.decode_s, s.wall_s = s.decode_s + d, s.wall_s + e2e
+            s.outputs.append(toks)
+            if toks == ref_out[b0 + j]:
+                s.identical += 1
+            else:
+                s.mismatched.append(b0 + j)
+    if strict:
+        bad = {n: s.mismatched for n, s in stats.items() if s.mismatched}
+        if bad:
+            name, idx = next(iter(bad.items()))
+            raise LosslessError(f"{label + ' ' if label else ''}{name}: {len(idx)} of {len(prompts)} outputs differ "
+                                f"from greedy AR (prompts {idx[:10]}): decoder not lossless")
+    return Speed(stats, ref_name, ref_out)
+
+
+def warm_up(engine, prompt: list[int], methods: dict, *, max_new_tokens: int = 4, eos_ids=frozenset(), hf=None):
+    """One short untimed ``generate`` per method (and ``transformers`` greedy) on ``prompt``, so one-off costs
+    (first-use allocations, lazily built weights) do not land in the first timed method."""
+    for cfg in methods.values():
+        engine.generate([prompt], cfg, max_new_tokens=max_new_tokens, eos_ids=eos_ids)
+    if hf is not None:
+        time_hf_greedy_decode(hf, prompt, max_new_tokens)

@@ -1,0 +1,172 @@
+"""The model runner of a batch: the KV cache, tensor assembly, prefill and decode forwards over rows of it.
+
+The forward implementation is a constructor field (``forward``: ``lean``, ``static`` -- the lean forward with
+static shapes and, on CUDA, CUDA graphs --, ``megatron``, or ``auto``), as are MR's verification mode, the lean
+forward's GEMV copies and CUDA graphs; environment variables set fields left at their default
+(:mod:`megatron_jf.inference.options`). The runner owns the static decoders of its cache's row views -- at most
+``max_static_views``, least recently used dropped -- so their KV buffers, captured graphs and memory pools go when
+the runner goes (one runner per :meth:`Engine.generate <megatron_jf.inference.engine.Engine.generate>` call or
+batch session).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+import torch
+
+from megatron_jf.inference import mr_verify, options
+from megatron_jf.inference.forward import forward_logits
+from megatron_jf.inference.lean_forward import lean_forward_for
+from megatron_jf.inference.static_decode import StaticDecoder
+from megatron_jf.models.gpt import new_kv_cache, unwrap
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA), so a wall-clock reading after it includes that work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def rows_view(cache, lo: int, hi: int):
+    """A :class:`~megatron_jf.models.kv_cache.KVCache` over rows ``[lo, hi)`` of ``cache``, sharing its buffers
+    and lengths (a forward and commit on the view act on those rows only)."""
+    if lo == 0 and hi == cache.batch_size:
+        return cache
+    v = object.__new__(type(cache))
+    v.__dict__.update(cache.__dict__)
+    v.__dict__.pop("_static_decoder", None)  # a view runs its own static shapes
+    v.k, v.v, v.lengths = cache.k[:, lo:hi], cache.v[:, lo:hi], cache.lengths[lo:hi]
+    v.batch_size, v._step = hi - lo, None
+    return v
+
+
+class ModelRunner:
+    """Forwards for one batch of ``capacity`` rows of ``max_len`` KV slots each.
+
+    Args:
+        model: a :class:`~megatron_jf.models.gpt.JFGPTModel` (eval mode, one pipeline stage).
+        capacity, max_len: KV-cache rows and slots per row.
+        forward: ``auto`` (the lean forward where the model supports it and ``MEGATRON_JF_LEAN_FORWARD`` is on; its
+            static path with CUDA or ``MEGATRON_JF_STATIC_DECODE=force``; else megatron's), ``lean``, ``static`` or
+            ``megatron``.
+        mr_verify: ``auto``, ``tree`` or ``pruned`` (:mod:`~megatron_jf.inference.mr_verify`).
+        gemv: ``all``, ``out`` or ``none``: the lean forward's transposed weight copies (None: as the lean forward
+            has them, ``MEGATRON_JF_LEAN_GEMV`` or by size; a value set here stays on the model's lean forward).
+        cuda_graphs: capture CUDA graphs on the static path (None: ``MEGATRON_JF_CUDA_GRAPHS``, on with CUDA).
+        max_static_views: most row views (``[lo, hi)`` ranges) with a static decoder at once.
+
+    Raises:
+        ValueError: an unknown ``forward``, ``mr_verify`` or ``gemv``.
+    """
+
+    def __init__(self, model, capacity: int, max_len: int, *, forward: str = "auto", mr_verify: str = "auto",
+                 gemv: str | None = None, cuda_graphs: bool | None = None, max_static_views: int = 8):
+        m = unwrap(model)
+        self.model = model
+        self.device = next(m.parameters()).device
+        self.mr_verify = options.mr_verify_mode(mr_verify, self.device)
+        self.impl = options.check_forward(forward)
+        self.lean = None
+        if forward != "megatron":
+            self.lean = lean_forward_for(m) if forward == "auto" else None
+            if forward == "auto":
+                self.impl = "megatron" if self.lean is None else (
+                    "static" if options.static_decode_on(self.device) else "lean")
+        if gemv is not None and self.impl != "megatron":
+            lean = self._lean()
+            lean.gemv_transposed = lean._gemv_policy(gemv)
+        self.cuda_graphs = cuda_graphs
+        self.max_static_views = max_static_views
+        self.cache = new_kv_cache(model, capacity, max_len)
+        self._static: OrderedDict[tuple[int, int], StaticDecoder] = OrderedDict()
+
+    def _lean(self):
+        if self.lean is None:  # lean/static named explicitly: the model's lean forward, built on first use
+            from megatron_jf.inference.lean_forward import LeanForward
+
+            m = unwrap(self.model)
+            self.lean = getattr(m, "_jf_lean_forward", None) or LeanForward(m)
+            m._jf_lean_forward = self.lean
+        return self.lean
+
+    def static_decoder(self, lo: int, hi: int, view) -> StaticDecoder:
+        """The static decoder of rows ``[lo, hi)`` (made on first use, following ``view``'s lengths)."""
+        key = (lo, hi)
+        dec = self._static.get(key)
+        if dec is None:
+            dec = self._static[key] = StaticDecoder(self._lean(), view, use_graphs=self.cuda_graphs)
+            if len(self._static) > self.max_static_views:
+                self._static.popitem(last=False)
+        else:
+            self._static.move_to_end(key)
+            dec.cache = view
+        return dec
+
+    # ------------------------------------------------------------------ forwards
+    def prefill(self, prompts: list[list[int]], base: int) -> float:
+        """Forward every prompt but its last token (forwarded with the first draft) in a scratch cache, move the
+        keys/values into cache rows ``base, base+1, ...`` and commit them. Returns the wall seconds it took,
+        device work included."""
+        t0 = time.perf_counter()
+        n = len(prompts)
+        P = max(len(p) for p in prompts)
+        if P > 1:
+            tmp = new_kv_cache(self.model, n, P - 1)
+            toks = torch.zeros(n, P - 1, dtype=torch.long)
+            for i, p in enumerate(prompts):
+                toks[i, : len(p) - 1] = torch.tensor(p[:-1])
+            forward_logits(self.model, toks, torch.arange(P - 1).expand(n, P - 1), kv_cache=tmp,
+                           return_logits=False, impl=self.impl)  # nobody reads prefill logits
+            for i, p in enumerate(prompts):
+                L = len(p) - 1
+                self.cache.k[:, base + i, :, :L] = tmp.k[:, i, :, :L]
+                self.cache.v[:, base + i, :, :L] = tmp.v[:, i, :, :L]
+        synchronize(self.device)
+        dt = time.perf_counter() - t0
+        for i, p in enumerate(prompts):
+            self.cache.lengths[base + i] = len(p) - 1
+        return dt
+
+    def decode(self, lo: int, hi: int, seqs: list[list[int]], bases: list[int], n_mains: list[int],
+               cand_lens: list[list[int]], tree: bool):
+        """One decode forward for cache rows ``[lo, hi)``.
+
+        Args:
+            seqs: per row, the tokens to forward: ``[last] + draft`` (``n_mains[i]`` tokens, a causal chain) and,
+                with ``tree``, the recycled candidates after it (``cand_lens[i]``), each a branch that sees ``last``
+                and itself (:func:`~megatron_jf.inference.mr_verify.tree_mask`).
+            bases: per row, the position of ``last`` (its committed length).
+
+        Returns:
+            ``(logits, view)``: float32 ``[hi - lo, s, V]`` (``s`` the longest row; shorter rows are padded with a
+            causal tail that is never committed) and the cache view the forward wrote (commit on it).
+        """
+        view = rows_view(self.cache, lo, hi)
+        m = hi - lo
+        s = max(len(x) for x in seqs)
+        mask = torch.ones(m, s, s, dtype=torch.bool).tril_() if tree else None
+        if m == 1 and mask is None:  # one row, one causal chain: no padding (the common batch-1 step)
+            toks = torch.tensor(seqs)
+            pos = torch.arange(bases[0], bases[0] + s).unsqueeze(0)
+        else:
+            toks = torch.zeros(m, s, dtype=torch.long)
+            pos = torch.zeros(m, s, dtype=torch.long)
+            for i, (seq, base, n_main, lens) in enumerate(zip(seqs, bases, n_mains, cand_lens)):
+                toks[i, : len(seq)] = torch.tensor(seq)
+                p = list(range(base, base + n_main))
+                if mask is not None and lens:
+                    for n in lens:
+                        p += range(base + 1, base + 1 + n)
+                    mask[i] = mr_verify.tree_mask(n_main, lens, s)
+                pos[i, : len(p)] = torch.tensor(p)
+                pos[i, len(p):] = base + n_main
+        static = self.static_decoder(lo, hi, view) if self.impl == "static" else None
+        return forward_logits(self.model, toks, pos, kv_cache=view, new_mask=mask, impl=self.impl,
+                              static=static), view
+
+    def second_pass(self, view, i: int, **kw):
+        """MR's ``pruned`` verification of row ``i`` of ``view`` after its main-chain forward
+        (:func:`~megatron_jf.inference.mr_verify.pruned_second_pass`; ``kw``: its keyword arguments)."""
+        return mr_verify.pruned_second_pass(self.model, rows_view(view, i, i + 1), impl=self.impl, **kw)
