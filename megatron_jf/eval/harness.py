@@ -100,7 +100,7 @@ def decode_config_from(decoder: str, **kw: Any):
 
     ``None`` values in ``kw`` are dropped (the config's defaults apply).
     """
-    from megatron_jf.inference.engine import DecodeConfig
+    from megatron_jf.decoding import DecodeConfig  # torch-free: flags are checked before the model is loaded
 
     try:
         return DecodeConfig(decoder, **{k: v for k, v in kw.items() if v is not None})
@@ -158,6 +158,12 @@ def load_for_inference(ckpt_dir: str, *, tokenizer: Optional[str] = None, tp: in
         CheckpointNotFound: ``ckpt_dir`` missing or not a checkpoint.
         TokenizerNotFound: no tokenizer in the checkpoint and none given.
     """
+    from megatron_jf.load_errors import reject_hf_dir
+
+    reject_hf_dir(ckpt_dir)  # the one message for a Hugging Face folder (every tool)
+    ckpt_dir = os.path.abspath(ckpt_dir)
+    if not os.path.isdir(ckpt_dir):  # reported before torch is imported
+        raise CheckpointNotFound(f"checkpoint directory does not exist: {ckpt_dir}")
     import torch
 
     from megatron_jf import parallel
@@ -165,12 +171,6 @@ def load_for_inference(ckpt_dir: str, *, tokenizer: Optional[str] = None, tp: in
     from megatron_jf.inference.engine import Engine
     from megatron_jf.tokenizer import load_tokenizer, stop_token_ids
 
-    from megatron_jf.load_errors import reject_hf_dir
-
-    reject_hf_dir(ckpt_dir)  # the one message for a Hugging Face folder (every tool)
-    ckpt_dir = os.path.abspath(ckpt_dir)
-    if not os.path.isdir(ckpt_dir):
-        raise CheckpointNotFound(f"checkpoint directory does not exist: {ckpt_dir}")
     try:
         it = latest_iteration(ckpt_dir)
     except (OSError, ValueError) as e:
