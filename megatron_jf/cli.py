@@ -1,7 +1,7 @@
 """Command-line options every tool shares, each defined once, and help generated from the dataclasses it configures.
 
 * **Decoder options** (:func:`add_decode_args`): one flag per field of
-  :class:`~megatron_jf.inference.engine.DecodeConfig`, with its default and its docstring as help, in
+  :class:`~megatron_jf.decoding.DecodeConfig`, with its default and its docstring as help, in
   ``tools/generate.py``, ``tools/evaluate.py``, ``tools/run_text_generation_server.py``,
   ``tools/search_inference_config.py`` (as grids), ``tools/generate_trajectories.py`` and
   ``tools/visualize_trajectory.py`` (block size and draft initialisation: trajectories are Jacobi's). The tools'
@@ -222,26 +222,10 @@ def add_load_arg(p, *, required: bool = True, help: str | None = None) -> None:
 
 # ----------------------------------------------------------------------------------------------- decoder options
 def decode_config_class():
-    """:class:`~megatron_jf.inference.engine.DecodeConfig`, every tool's one source of decoder options.
+    """:class:`megatron_jf.decoding.DecodeConfig`, every tool's one source of decoder options (torch-free)."""
+    from megatron_jf.decoding import DecodeConfig
 
-    Read from its own torch-free module ``megatron_jf.decoding.config`` where the checkout has it (the engine split
-    moves it there), else through the engine, which imports torch -- then a decoder tool's ``--help`` waits for it.
-    """
-    try:
-        from megatron_jf.decoding.config import DecodeConfig
-    except ImportError:
-        from megatron_jf.inference.engine import DecodeConfig
     return DecodeConfig
-
-
-def _decoding_constant(cls, name: str) -> tuple:
-    """``DECODERS`` / ``DRAFT_INITS``: from ``DecodeConfig``'s module, else the engine's re-export."""
-    import importlib
-
-    value = getattr(importlib.import_module(cls.__module__), name, None)
-    if value is None:
-        value = getattr(importlib.import_module("megatron_jf.inference.engine"), name)
-    return tuple(value)
 
 
 def add_decode_args(p, *, title: str = "decoding (Jacobi Forcing decoders, paper Sec. 3.2)",
@@ -250,7 +234,7 @@ def add_decode_args(p, *, title: str = "decoding (Jacobi Forcing decoders, paper
     """Add one flag per :class:`DecodeConfig` field (``block_size`` -> ``--block-size``) to ``p``, in a group.
 
     Defaults and help come from the dataclass (its defaults and its docstring's ``Attributes``), the choices of
-    ``--decoder`` and ``--draft-init`` from the engine; the default decoder is :data:`DEFAULT_DECODER`.
+    ``--decoder`` and ``--draft-init`` from :mod:`megatron_jf.decoding`; the default decoder is :data:`DEFAULT_DECODER`.
 
     Args:
         fields: the fields to offer (default: all).
@@ -260,9 +244,10 @@ def add_decode_args(p, *, title: str = "decoding (Jacobi Forcing decoders, paper
     Returns:
         The argument group.
     """
+    from megatron_jf.decoding import DECODERS, DRAFT_INITS
+
     cls = decode_config_class()
-    choices = {"decoder": tuple(decoders or _decoding_constant(cls, "DECODERS")),
-               "draft_init": _decoding_constant(cls, "DRAFT_INITS")}
+    choices = {"decoder": tuple(decoders or DECODERS), "draft_init": DRAFT_INITS}
     defaults = {"decoder": DEFAULT_DECODER if DEFAULT_DECODER in choices["decoder"] else choices["decoder"][0]}
     g = p.add_argument_group(title)
     add_dataclass_arguments(g, cls, only=fields, choices=choices, defaults=defaults, grids=grids or {})
@@ -474,6 +459,15 @@ def one_of(label: str, allowed: typing.Sequence):
         return text
     parse.__name__ = label
     return parse
+
+
+def parse_or_status(p: argparse.ArgumentParser, argv=None) -> tuple[argparse.Namespace | None, int]:
+    """``(args, 0)``, or ``(None, status)`` once argparse has printed the usage and the error (2) or the help (0):
+    for tools whose ``main()`` returns its exit status instead of exiting."""
+    try:
+        return p.parse_args(argv), 0
+    except SystemExit as e:
+        return None, e.code if isinstance(e.code, int) else 2
 
 
 def option_strings(p: argparse.ArgumentParser) -> dict[str, tuple[str, ...]]:

@@ -4,7 +4,6 @@ megatron-core) are imported, by every tool and ``pretrain_jf.py``.
 Each command runs in a subprocess that reports whether ``torch`` was imported when the entry point returned; no
 timing (the time is a figure for the report, measured on an idle machine, not a test).
 """
-import importlib.util
 import os
 import subprocess
 import sys
@@ -25,24 +24,13 @@ def _imports_torch(argv, tool):
     return out.stdout.strip().splitlines()[-1] == "TORCH", out
 
 
-def _decode_config_is_light() -> bool:
-    """``DecodeConfig`` in a torch-free module (the engine split moves it there)."""
-    try:
-        return importlib.util.find_spec("megatron_jf.decoding.config") is not None
-    except ModuleNotFoundError:
-        return False
+ENTRY_POINTS = ["pretrain_jf.py", "tools/convert_hf.py", "tools/generate.py", "tools/evaluate.py",
+                "tools/run_text_generation_server.py", "tools/search_inference_config.py",
+                "tools/generate_trajectories.py", "tools/visualize_trajectory.py"]
 
 
-LIGHT = ["pretrain_jf.py", "tools/convert_hf.py"]
-DECODER_SCRIPTS = ["tools/generate.py", "tools/evaluate.py", "tools/run_text_generation_server.py",
-                   "tools/search_inference_config.py", "tools/generate_trajectories.py",
-                   "tools/visualize_trajectory.py"]
-
-
-@pytest.mark.parametrize("tool", LIGHT + DECODER_SCRIPTS)
+@pytest.mark.parametrize("tool", ENTRY_POINTS)
 def test_help_and_argument_errors_do_not_import_torch(tool):
-    if tool in DECODER_SCRIPTS and not _decode_config_is_light():
-        pytest.skip("DecodeConfig lives in megatron_jf/inference/engine.py, which imports torch")
     for argv in (["--help"], ["--no-such-flag"]):
         heavy, out = _imports_torch(argv, tool)
         assert not heavy, (tool, argv, out.stderr[-2000:])
@@ -59,8 +47,6 @@ def test_help_and_argument_errors_do_not_import_torch(tool):
     ("tools/evaluate.py", ["--benchmark", "gsm8k"]),
 ])
 def test_missing_load_is_reported_before_torch(tool, argv, tmp_path):
-    if tool in DECODER_SCRIPTS and not _decode_config_is_light():
-        pytest.skip("DecodeConfig lives in megatron_jf/inference/engine.py, which imports torch")
     missing = str(tmp_path / "no-such-ckpt")
     argv = argv[:1] + ["--load", missing] + argv[1:] if tool == "tools/convert_hf.py" else ["--load", missing, *argv]
     heavy, out = _imports_torch(argv, tool)
