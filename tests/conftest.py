@@ -31,6 +31,16 @@ def run_torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 300) ->
     return proc.stdout
 
 
+def load_tool(name: str, prefix: str = "_tool"):
+    """``tools/<name>.py`` imported as a module (its ``main``/``build_parser``), without running it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"{prefix}_{name}", os.path.join(REPO, "tools", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _free_port() -> int:
     import socket
 

@@ -4,13 +4,14 @@ missing iteration, and foreign files (garbage where torch DCP's index or ``commo
 
 The checkpoint is the real tiny one of :mod:`megatron_jf.server.tiny`, copied and damaged per case.
 """
-import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 
 import pytest
+
+from tests.conftest import load_tool
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITER = "iter_0000000"
@@ -118,10 +119,7 @@ def test_the_intact_checkpoint_still_loads(good_ckpt):
 
 
 def _tool(name):
-    spec = importlib.util.spec_from_file_location(f"_ckerr_tool_{name}", os.path.join(REPO, "tools", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool(name, "_ckerr")
 
 
 def _exit_message(fn):

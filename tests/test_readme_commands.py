@@ -13,7 +13,6 @@ Other commands (``bash scripts/...``, ``curl``, benches) are not the README's to
 """
 import functools
 import importlib
-import importlib.util
 import os
 import re
 import shlex
@@ -21,6 +20,8 @@ import subprocess
 import sys
 
 import pytest
+
+from tests.conftest import load_tool
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(REPO, "README.md")
@@ -74,10 +75,7 @@ def parser_of(entry: str):
 
         return build_parser()
     if entry.endswith(".py"):
-        name = os.path.splitext(os.path.basename(entry))[0]
-        spec = importlib.util.spec_from_file_location(f"_readme_{name}", os.path.join(REPO, entry))
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+        mod = load_tool(os.path.splitext(os.path.basename(entry))[0], "_readme")
     else:
         mod = importlib.import_module(entry)
     return mod.build_parser()

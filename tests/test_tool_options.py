@@ -6,20 +6,18 @@ from ``TrainConfig`` (help = the field's docstring, default = the field's), and 
 Parsers only: no model is built, nothing is loaded.
 """
 import dataclasses
-import importlib.util
 import os
 import sys
 
 import pytest
 
+from tests.conftest import load_tool
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _tool(name):
-    spec = importlib.util.spec_from_file_location(f"_opt_tool_{name}", os.path.join(REPO, "tools", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool(name, "_opt")
 
 
 def _parser(name):

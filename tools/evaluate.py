@@ -22,12 +22,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_jf import cli  # noqa: E402  (light: torch is imported after parsing)
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser (decoder flags from :class:`megatron_jf.inference.engine.DecodeConfig`, shared with
     every tool; Megatron-LM and vLLM spellings accepted, see :mod:`megatron_jf.cli`)."""
-    from megatron_jf import cli
-
     p = cli.parser(__doc__)
     cli.add_load_arg(p)
     p.add_argument("--benchmark", help="humaneval, mbpp, gsm8k, math or math500 (default: none; give it or --data)")
@@ -60,7 +60,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(a: argparse.Namespace):
     """Map parsed arguments to :class:`megatron_jf.eval.harness.EvalConfig`."""
-    from megatron_jf import cli
     from megatron_jf.eval.harness import EvalConfig
 
     decode = {k: v for k, v in cli.decode_kwargs(a).items() if k != "decoder"}
@@ -75,10 +74,9 @@ def config_from_args(a: argparse.Namespace):
 
 def main(argv=None) -> int:
     """Run the evaluation; returns the exit code (0 ok, 2 bad input, 3 lossless violation)."""
-    try:
-        a = build_parser().parse_args(argv)
-    except SystemExit as e:  # argparse printed the usage and the error (status 2), or the help (0)
-        return e.code
+    a, status = cli.parse_or_status(build_parser(), argv)
+    if a is None:
+        return status
     from megatron_jf.eval.benchmarks import BenchmarkDataError, MissingBenchmarkPackage
     from megatron_jf.eval.harness import (CheckpointNotFound, HarnessError, LosslessViolation, ResumeMismatch,
                                           TokenizerNotFound, run_evaluation)

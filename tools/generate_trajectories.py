@@ -38,7 +38,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def build_parser():
+def build_parser() -> argparse.ArgumentParser:
     """The command-line parser (Megatron-LM and vLLM spellings accepted, see :mod:`megatron_jf.cli`); the block size
     and draft initialisation are the decoder flags every tool shares."""
     from megatron_jf import cli

@@ -26,6 +26,8 @@ from typing import Any, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_jf import cli  # noqa: E402  (light: torch is imported after parsing)
+
 
 def measure(engine, prompts: Sequence[Sequence[int]], cfg, *, max_new_tokens: int, eos_ids=frozenset(),
             batch_size: int = 1) -> dict[str, Any]:
@@ -182,8 +184,6 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line parser: the decoder flags of every tool (:func:`megatron_jf.cli.add_decode_args`), with
     ``--block-size(s)``, ``--verification-size(s)``, ``--num-blocks`` and ``--spawn-threshold(s)`` taking
     comma-separated grids (Megatron-LM and vLLM spellings accepted, see :mod:`megatron_jf.cli`)."""
-    from megatron_jf import cli
-
     p = cli.parser(__doc__)
     cli.add_load_arg(p)
     p.add_argument("--benchmark", default="humaneval", help="humaneval, mbpp, gsm8k, math or math500: the prompts")
@@ -204,10 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """CLI entry point; returns 0, or 2 on bad input."""
-    try:
-        a = build_parser().parse_args(argv)
-    except SystemExit as e:  # argparse printed the usage and the error (status 2), or the help (0)
-        return e.code
+    a, status = cli.parse_or_status(build_parser(), argv)
+    if a is None:
+        return status
     from megatron_jf.eval.benchmarks import BenchmarkDataError, MissingBenchmarkPackage, load_benchmark
     from megatron_jf.eval.harness import (ChatTemplateAdapter, CheckpointNotFound, HarnessError, TokenizerNotFound,
                                           atomic_write_text, load_for_inference, method_name, decode_config_from)

@@ -30,6 +30,8 @@ from typing import Any, Callable, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_jf import cli  # noqa: E402  (light: torch is imported after parsing)
+
 COLORS = {"accepted": "#7bd88f", "stationary": "#ffd54f", "match": "#c8c8c8", "unconverged": "#f28b82"}
 
 
@@ -201,8 +203,6 @@ def visualize(blocks: Sequence[dict], out_prefix: str, *, tokenizer=None, min_ru
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser (block size and draft initialisation are the decoder flags every tool shares)."""
-    from megatron_jf import cli
-
     p = cli.parser(__doc__)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--shard", help="webdataset shard (.tar) of trajectory records")
@@ -224,10 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """CLI entry point; returns 0, or 2 on bad input (message on stderr)."""
-    try:
-        a = build_parser().parse_args(argv)
-    except SystemExit as e:  # argparse printed the usage and the error (status 2), or the help (0)
-        return e.code
+    a, status = cli.parse_or_status(build_parser(), argv)
+    if a is None:
+        return status
     from megatron_jf.eval.harness import CheckpointNotFound, HarnessError, TokenizerNotFound
 
     try:
