@@ -184,3 +184,15 @@ def test_decoders_lossless_against_ar_in_bf16(mp1, family, peaked):
                     DecodeConfig("mr", block_size=8, num_blocks=2, spawn_threshold=0.5, verification_size=4)):
             out = eng.generate(prompts, cfg, max_new_tokens=40)
             assert [o.tokens for o in out] == ref, (mode, cfg)
+
+
+@pytest.mark.parametrize("recompute", [dict(recompute_granularity="full", recompute_method="uniform",
+                                             recompute_num_layers=1),
+                                        dict(recompute_granularity="selective")])
+def test_bf16_recomputed_forward_runs_in_bf16_too(work, allow_bf16, recompute):
+    """Activation recomputation reruns the forward during the backward: still under the autocast region, so the
+    gradients equal those of the run that kept its activations."""
+    ref = _trainer(work, "bf16", **_fixed(work, train_steps=2)).train()
+    got = _trainer(work, "bf16", **_fixed(work, train_steps=2, **recompute)).train()
+    assert [h["grad norm"] for h in got] == pytest.approx([h["grad norm"] for h in ref], rel=1e-6)
+    assert got[1]["loss"] == pytest.approx(ref[1]["loss"], rel=1e-6)
