@@ -11,9 +11,9 @@ What ``bf16`` means where (``pretrain_jf.py --precision bf16`` / ``--bf16``):
   reach the fp32 weights as fp32. Same compute precision as the GPU path, without a second copy of the weights.
 
 bf16 only pays on a CPU with native bf16 dot products (x86 AVX-512 BF16 or AMX, Arm ``bf16``); elsewhere
-oneDNN emulates them and a bf16 matrix product runs several times *slower* than fp32 (measured on an AVX2-only
-AMD EPYC: 5.6 vs 43 GFLOP/s for a 2048 x 576 x 1536 product, one thread), so :func:`require_cpu_bf16` refuses
-it with a one-line error. ``MEGATRON_JF_CPU_BF16=1`` runs it anyway (tests, measurements); ``=0`` behaves as a
+they are emulated and bf16 runs many times *slower* than fp32 (an AVX2-only AMD EPYC, one thread: the JF training
+step of a SmolLM2-135M-shaped model at 0.078x the fp32 samples/s, ``bench/train_step.py --compare-precision --shape
+smollm2``), so :func:`require_cpu_bf16` refuses it with a one-line error. ``MEGATRON_JF_CPU_BF16=1`` runs it anyway (tests, measurements); ``=0`` behaves as a
 CPU without support.
 
 megatron-core's linear layers run their matrix product inside ``torch.autograd.Function`` s whose backward
