@@ -158,32 +158,37 @@ def test_megatron_linears_run_bf16_under_autocast_and_backward_outside_it(mp1):
     assert any(not torch.equal(g, ref[n]) for n, g in got.items())
 
 
-@pytest.mark.parametrize("family,peaked", [("qwen2", False), ("llama", True)])
-def test_decoders_lossless_against_ar_in_bf16(mp1, family, peaked):
+@pytest.mark.parametrize("family,peaked,weights", [("qwen2", False, torch.bfloat16), ("llama", True, torch.bfloat16),
+                                                   ("qwen2", False, torch.float32)])
+def test_decoders_lossless_against_ar_in_bf16(mp1, family, peaked, weights):
     """``--bf16`` inference runs bf16 weights; lossless then means equal to the same model's greedy AR in bf16
     (which may differ from the fp32 model's output). Jacobi, running window and MR (both verification modes)
-    against AR, on a random and a peaked tiny model, prompts of several lengths, batched."""
+    against AR, on a random and a peaked tiny model, prompts of several lengths, batched. Also fp32 weights under
+    bf16 autocast (the third mode ``bench/decode_precision.py`` measures; its bf16 keys and values enter the fp32
+    KV cache)."""
     from megatron_jf.inference.engine import DecodeConfig, Engine
     from megatron_jf.models.convert import hf_to_mcore
     from megatron_jf.models.gpt import build_model
     from megatron_jf.models.hf_config import ModelArgs
+    from megatron_jf.precision import autocast
     from megatron_jf.testing import peaked_hf_model, tiny_hf_model
 
     hf = peaked_hf_model(family, period=4, seed=4) if peaked else tiny_hf_model(family, scale=0.3, seed=1)
     args = ModelArgs.from_hf_dict(hf.config.to_dict())
-    m = build_model(args, params_dtype=torch.bfloat16).eval()
+    m = build_model(args, params_dtype=weights).eval()
     m.load_state_dict(hf_to_mcore(hf.state_dict(), args), strict=False)
-    assert {p.dtype for p in m.parameters() if p.dim() == 2} == {torch.bfloat16}  # (megatron's CPU norms: fp32)
+    assert {p.dtype for p in m.parameters() if p.dim() == 2} == {weights}  # (megatron's CPU norms: fp32)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (1, 9, 33)]
-    for mode in ("pruned", "tree"):
-        eng = Engine(m, check_invariants=True, mr_verify=mode)
-        ref = [r.tokens for r in eng.generate(prompts, DecodeConfig("ar"), max_new_tokens=40)]
-        for cfg in (DecodeConfig("jacobi", block_size=8), DecodeConfig("jacobi", block_size=32),
-                    DecodeConfig("running-window", block_size=8),
-                    DecodeConfig("mr", block_size=8, num_blocks=2, spawn_threshold=0.5, verification_size=4)):
-            out = eng.generate(prompts, cfg, max_new_tokens=40)
-            assert [o.tokens for o in out] == ref, (mode, cfg)
+    with autocast(torch.bfloat16 if weights == torch.float32 else None):
+        for mode in ("pruned", "tree"):
+            eng = Engine(m, check_invariants=True, mr_verify=mode)
+            ref = [r.tokens for r in eng.generate(prompts, DecodeConfig("ar"), max_new_tokens=40)]
+            for cfg in (DecodeConfig("jacobi", block_size=8), DecodeConfig("jacobi", block_size=32),
+                        DecodeConfig("running-window", block_size=8),
+                        DecodeConfig("mr", block_size=8, num_blocks=2, spawn_threshold=0.5, verification_size=4)):
+                out = eng.generate(prompts, cfg, max_new_tokens=40)
+                assert [o.tokens for o in out] == ref, (mode, cfg)
 
 
 @pytest.mark.parametrize("recompute", [dict(recompute_granularity="full", recompute_method="uniform",
