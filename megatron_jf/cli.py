@@ -70,8 +70,9 @@ def add_parallel_args(p: argparse.ArgumentParser, *, tp_help: str = "tensor-para
 
 #: What the inference tools' help says about bf16 (one text for every tool).
 BF16_HELP = ("run the model in bfloat16 weights (default: bf16 on GPU, fp32 on CPU; on CPU it needs AVX-512 BF16 "
-             "or AMX and is refused without). bf16 outputs differ from fp32 outputs; every decoder stays lossless "
-             "against greedy AR in the same precision")
+             "or AMX and is refused without). bf16 outputs differ from fp32 outputs, and where the top two logits are "
+             "within bf16 rounding a decoder's output can part from greedy AR's (a wider or batched forward rounds "
+             "differently); lossless checks are exact in fp32")
 
 
 def add_precision_args(p: argparse.ArgumentParser) -> None:

@@ -168,7 +168,7 @@ def test_work_directory_of_other_preset_settings_is_refused(tmp_path):
 
 
 def test_recipe_knobs_from_the_command_line_reach_the_stages(tmp_path, monkeypatch):
-    """--lr/--ar-weight/--anchor-weight/--traj2-prompts/--jf2-steps/--precision/--eval-precision set the preset
+    """--lr/--ar-weight/--anchor-weight/--traj2-prompts/--jf2-steps/--precision set the preset
     (recorded in preset.json), and the stages pass them on: bf16 training and collection, the anchor term on real
     text made from the stdlib train split in the model's tokenizer. bf16 on a CPU without it stops at once."""
     import numpy as np
@@ -185,12 +185,11 @@ def test_recipe_knobs_from_the_command_line_reach_the_stages(tmp_path, monkeypat
     monkeypatch.setenv(CPU_BF16_ENV, "1")
     out = tmp_path / "w"
     knobs = ["--lr", "5e-5", "--ar-weight", "4", "--anchor-weight", "0.5", "--traj2-prompts", "200",
-             "--jf2-steps", "100", "--precision", "bf16", "--eval-precision", "bf16"]
+             "--jf2-steps", "100", "--precision", "bf16"]
     P.main(["--real", "--out", str(out), *knobs])
     pre = seen[-1]
-    assert (pre.jf_lr, pre.jf_ar_weight, pre.anchor_weight, pre.traj2_prompts, pre.jf2_steps, pre.precision,
-            pre.eval_precision) == (5e-5, 4.0, 0.5, 200, 100, "bf16", "bf16")
-    assert pre.eval_dtype() is torch.bfloat16 and PRESETS["real"].eval_dtype() is None
+    assert (pre.jf_lr, pre.jf_ar_weight, pre.anchor_weight, pre.traj2_prompts, pre.jf2_steps, pre.precision) == (
+        5e-5, 4.0, 0.5, 200, 100, "bf16")
     assert json.loads((out / "preset.json").read_text())["jf_lr"] == 5e-5
     with pytest.raises(SystemExit, match=r"other preset settings \(jf_lr\)"):  # resumes only with the same recipe
         P.main(["--real", "--out", str(out), *knobs[2:]])

@@ -61,7 +61,7 @@ def _evaluate_point(pipe, point, prompts, n_tpf, eos) -> dict:
     from megatron_jf.inference.engine import DecodeConfig, Engine
 
     p = pipe.p
-    model, _, _ = load_model(str(pipe.path(point["ckpt"])), iteration=point["iteration"], params_dtype=p.eval_dtype())
+    model, _, _ = load_model(str(pipe.path(point["ckpt"])), iteration=point["iteration"])
     eng = Engine(model)
     R = p.response_tokens
     ar = eng.generate(prompts, DecodeConfig("ar"), max_new_tokens=R, eos_ids=eos)

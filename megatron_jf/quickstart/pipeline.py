@@ -97,15 +97,9 @@ class Preset:
     traj_response_tokens: int = 0  # trajectory collection's --max-new-tokens (0: response_tokens)
     traj2_prompts: int = 0  # round 2 regenerates trajectories for the first this many training prompts (0: all)
     # "bf16": training under bf16 autocast with fp32 master weights (pretrain_jf.py --precision bf16) and trajectory
-    # collection in bf16 weights (--bf16), on CPUs with AVX-512 BF16 / AMX (megatron_jf.precision)
+    # collection in bf16 weights (--bf16), on CPUs with AVX-512 BF16 / AMX (megatron_jf.precision). The report stays
+    # fp32: it asserts every decoder's output equal to greedy AR, which bf16 rounding can break at near-tied logits.
     precision: str = "fp32"
-    eval_precision: str = "fp32"  # the report's and learning curve's weights ("bf16": outputs differ from fp32)
-
-    def eval_dtype(self):
-        """The report's and learning curve's weight dtype (``eval_precision``); None: fp32 (the CPU default)."""
-        import torch
-
-        return torch.bfloat16 if self.eval_precision == "bf16" else None
 
 
 PRESETS = {
@@ -429,20 +423,18 @@ def main(argv=None):
     k.add_argument("--jf2-steps", type=int, help="round-2 optimizer steps (x the micro-batch: samples)")
     k.add_argument("--precision", choices=("fp32", "bf16"),
                    help="training (bf16 autocast, fp32 master weights) and trajectory collection (bf16 weights); "
-                        "bf16 needs a CPU with AVX-512 BF16 or AMX")
-    k.add_argument("--eval-precision", choices=("fp32", "bf16"),
-                   help="weights of the report and learning curve (bf16 outputs differ from fp32 outputs)")
+                        "bf16 needs a CPU with AVX-512 BF16 or AMX; the report is always fp32")
     a = ap.parse_args(argv)
     preset = PRESETS["smoke" if a.smoke else "real" if a.real else "default"]
     if a.threads:
         preset = replace(preset, threads=a.threads)
-    knobs = ("jf_lr", "jf_ar_weight", "anchor_weight", "traj2_prompts", "jf2_steps", "precision", "eval_precision")
+    knobs = ("jf_lr", "jf_ar_weight", "anchor_weight", "traj2_prompts", "jf2_steps", "precision")
     preset = replace(preset, **{f: getattr(a, f) for f in knobs if getattr(a, f) is not None})
-    if "bf16" in (preset.precision, preset.eval_precision):
+    if preset.precision == "bf16":
         from megatron_jf.precision import require_cpu_bf16
 
         try:
-            require_cpu_bf16("--precision bf16" if preset.precision == "bf16" else "--eval-precision bf16")
+            require_cpu_bf16()
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
     out = Path(a.out or REPO / "runs" / f"quickstart-{preset.name}")

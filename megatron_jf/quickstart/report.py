@@ -20,10 +20,10 @@ from megatron_jf.fileio import atomic_write_json, atomic_write_text
 HF_ROW = "transformers greedy"
 
 
-def _load(path, p):
+def _load(path):
     from megatron_jf.checkpointing import load_model
 
-    model, args, meta = load_model(str(path), params_dtype=p.eval_dtype())
+    model, args, meta = load_model(str(path))
     return model
 
 
@@ -47,7 +47,7 @@ def heldout_nll(model, tokens: np.ndarray, chunks: int, seq: int = 256) -> tuple
     for i in range(0, len(starts), 8):
         batch = torch.tensor(np.stack([tokens[s: s + seq + 1] for s in starts[i:i + 8]]).astype(np.int64))
         logits = forward_logits(model, batch[:, :-1], torch.arange(seq).expand(batch.shape[0], seq))
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1),
+        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
                                                 reduction="sum")
         total += float(nll)
         count += batch[:, 1:].numel()
@@ -175,7 +175,7 @@ def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos) -> dict:
     from megatron_jf.eval.hf_baseline import hf_twin, time_hf_greedy_decode
     from megatron_jf.inference.engine import DecodeConfig, Engine
 
-    model = _load(ckpt, p)
+    model = _load(ckpt)
     eng = Engine(model)
     R = p.response_tokens
     nll, argmax = heldout_nll(model, held, p.nll_chunks) if held is not None else (float("nan"), None)

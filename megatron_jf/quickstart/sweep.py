@@ -91,7 +91,7 @@ def _measure(pipe, ckpt: str, prompts, eos, held, *, decode: bool = True) -> dic
     p = pipe.p
     out = {}
     if held is not None:
-        model, _, _ = load_model(str(pipe.path(ckpt)), params_dtype=p.eval_dtype())
+        model, _, _ = load_model(str(pipe.path(ckpt)))
         out["nll"] = heldout_nll(model, held, p.nll_chunks)[0]
     if decode:
         got = _evaluate_point(pipe, {"ckpt": ckpt, "iteration": None, "label": ckpt}, prompts, len(prompts), eos)
