@@ -25,7 +25,7 @@ def work(tmp_path_factory, mp1):
     from megatron_jf.testing import save_tiny_hf
 
     d = str(tmp_path_factory.mktemp("jfprec"))
-    save_tiny_hf(os.path.join(d, "hf"), "qwen2", seed=3, vocab=VOCAB, layers=3, tied=True, max_pos=128)
+    save_tiny_hf(os.path.join(d, "hf"), "qwen2", seed=3, vocab=VOCAB, layers=4, tied=True, max_pos=128)
     recs = [make_record(300 + i, prompt_len=5 + i % 2, block_size=4, num_blocks=3, vocab=VOCAB) for i in range(6)]
     write_shards(os.path.join(d, "train"), recs, per_shard=3)
     write_shards(os.path.join(d, "fixed"), recs[:2])
@@ -53,7 +53,7 @@ def _fixed(work, **over):
 
 
 #: bf16 keeps 8 significant bits (unit roundoff 2^-9 ~ 0.2 %); the step's loss is a mean over ~100 loss
-#: positions of KL/CE values computed from bf16 logits through 3 layers of bf16 products, whose rounding errors
+#: positions of KL/CE values computed from bf16 logits through 4 layers of bf16 products, whose rounding errors
 #: are independent and largely cancel in the mean. 1 % relative is ~5 roundoffs: an autocast that skipped the
 #: fp32 accumulation, or ran the loss itself in bf16, errs by more.
 BF16_LOSS_RTOL = 1e-2
@@ -202,3 +202,22 @@ def test_bf16_recomputed_forward_runs_in_bf16_too(work, allow_bf16, recompute):
     got = _trainer(work, "bf16", **_fixed(work, train_steps=2, **recompute)).train()
     assert [h["grad norm"] for h in got] == pytest.approx([h["grad norm"] for h in ref], rel=1e-6)
     assert got[1]["loss"] == pytest.approx(ref[1]["loss"], rel=1e-6)
+
+
+def test_bf16_parallel_layouts_match_one_process(work, allow_bf16):
+    """PP=2 exchanges the bf16 residual stream between stages (the trainer sets megatron's ``pipeline_dtype`` to
+    the autocast dtype; with fp32 receive buffers the losses were silently wrong: grad norm 347 instead of 5.2) and
+    DP=2 averages the same gradients: both equal the single-process bf16 run. TP=2 splits each product, so its bf16
+    rounding differs: within the bf16 tolerance."""
+    import json
+
+    from tests.conftest import run_torchrun
+
+    ref = _trainer(work, "bf16").train()
+    out = run_torchrun("train_bf16_layouts.py", work, timeout=600)  # ranks inherit allow_bf16's environment
+    got = {r["layout"]: r for r in (json.loads(line[len("RESULT "):]) for line in out.splitlines()
+                                    if line.startswith("RESULT "))}
+    assert sorted(got) == ["dp2", "pp2", "tp2"]
+    for layout, rtol in (("pp2", 1e-5), ("dp2", 1e-5), ("tp2", BF16_LOSS_RTOL)):
+        assert got[layout]["loss"] == pytest.approx([h["loss"] for h in ref], rel=rtol), layout
+        assert got[layout]["grad_norm"] == pytest.approx([h["grad norm"] for h in ref], rel=10 * rtol), layout
