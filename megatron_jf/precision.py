@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 
 import torch
 
@@ -111,6 +112,9 @@ def _wrap_megatron_linears() -> None:
 
     for cls in (layers.LinearWithGradAccumulationAndAsyncCommunication, layers.LinearWithFrozenWeight):
         cls.forward = staticmethod(_autocast_linear_forward(cls.forward))
+    # the residual stream is bf16 in the region (megatron casts it to the dtype of the layer outputs) while the norm
+    # weights stay fp32: torch's RMSNorm then takes its unfused path and says so once; that is the intended mix
+    warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
     _LINEARS_WRAPPED = True
 
 
