@@ -10,9 +10,10 @@ For each precision (the same checkpoint loaded once per mode, runs interleaved, 
 * **Jacobi** at block size ``--block-size`` with trajectories recorded, ``--collect-batch`` prompts decoded
   together, as ``tools/generate_trajectories.py`` collects: forwards/s and tokens/s (compute-bound products);
 
-and whether each precision is lossless in itself (Jacobi output == the same precision's AR output), and how many
-of the fp32 AR tokens the bf16 outputs reproduce (bf16 outputs differ from fp32 outputs: rounding changes the
-argmax where two logits are close). Prints whether the CPU's bf16 is native (AVX-512 BF16 / AMX) or emulated.
+and whether each precision is lossless in itself (Jacobi output == the same precision's AR output; where not, the
+token where they part and the top two logits there: a near-tie that the wider forward rounds the other way), and
+how many of the fp32 AR tokens the bf16 outputs reproduce (bf16 outputs differ from fp32 outputs: rounding changes
+the argmax where two logits are close). Prints whether the CPU's bf16 is native (AVX-512 BF16 / AMX) or emulated.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def main(argv=None):
     from megatron_jf import parallel
     from megatron_jf.checkpointing import load_model, tokenizer_path
     from megatron_jf.inference.engine import DecodeConfig, Engine
+    from megatron_jf.models.gpt import forward_logits
     from megatron_jf.precision import autocast, cpu_bf16_feature
     from megatron_jf.tokenizer import load_tokenizer
 
@@ -99,12 +101,21 @@ def main(argv=None):
     base = best["fp32"]
     for mode in MODES:
         o, b = out[mode], best[mode]
-        lossless = all(j == r for j, r in zip(o["jac"], [o["ar"][i % len(prompts)] for i in range(a.collect_batch)]))
+        want = [o["ar"][i % len(prompts)] for i in range(a.collect_batch)]
+        lossless = all(j == r for j, r in zip(o["jac"], want))
         agree = sum(_agree(x, y) for x, y in zip(o["ar"], ref))
         print(f"  {mode:<14} AR {o['ar_tokens'] / b['ar']:7.2f} tok/s ({base['ar'] / b['ar']:.2f}x fp32) | Jacobi "
               f"{o['jac_forwards'] / b['jac']:6.2f} forwards/s, {o['jac_tokens'] / b['jac']:7.2f} tok/s "
               f"({base['jac'] / b['jac']:.2f}x fp32) | Jacobi == AR: {lossless} | AR tokens equal to fp32 AR's "
               f"(common prefix): {agree}/{sum(len(x) for x in ref)}")
+        for row, (j, r) in enumerate(zip(o["jac"], want)):
+            if j != r:  # where Jacobi parts from AR: the top two logits of one forward over prompt + AR prefix
+                k = _agree(j, r)
+                ctx = torch.tensor([prompts[row % len(prompts)] + r[:k]])
+                with autocast(torch.bfloat16 if mode == "bf16 autocast" else None):
+                    top = forward_logits(models[mode], ctx, torch.arange(ctx.shape[1])[None])[0, -1].float().topk(2)
+                print(f"      batch row {row}: parts from AR at token {k} (AR {r[k]}, Jacobi {j[k]}); top-2 logits "
+                      f"{top.values.tolist()} for ids {top.indices.tolist()}")
     parallel.destroy()
 
 
