@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line parser (decoder flags mirror :class:`megatron_jf.inference.engine.DecodeConfig`;
     Megatron-LM spellings accepted, see :mod:`megatron_jf.cli`)."""
     from megatron_jf.cli import (BATCH_FLAGS, MAX_NEW_TOKENS_FLAGS, TOKENIZER_FLAGS, HelpFormatter,
-                                 add_parallel_args, positive_int)
+                                 add_parallel_args, add_precision_args, positive_int)
     from megatron_jf.inference.engine import DECODERS, DRAFT_INITS, DecodeConfig
 
     d = DecodeConfig()
@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="eval_out", help="output directory")
     p.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's)")
     add_parallel_args(p)
+    add_precision_args(p)
     p.add_argument("--seed", type=int, default=1234, help="seed of the draft initialisation")
     p.add_argument("--score-timeout", type=float, default=10.0, help="sandbox seconds per program")
     p.add_argument("--math-cpu-limit", type=float, default=20.0,
@@ -82,7 +83,7 @@ def config_from_args(a: argparse.Namespace):
                       threads=a.threads, tp=a.tp, seed=a.seed, strict_lossless=not a.allow_mismatch,
                       score_timeout_s=a.score_timeout, warmup=not a.no_warmup, progress=not a.no_progress,
                       math_cpu_s=a.math_cpu_limit, isolation="none" if a.unisolated else "os",
-                      hf_baseline=not a.no_hf_baseline)
+                      hf_baseline=not a.no_hf_baseline, params_dtype=a.params_dtype)
 
 
 def main(argv=None) -> int:

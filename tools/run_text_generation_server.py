@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-stop-chars", type=_positive, default=512, help="longest stop string, characters")
     p.add_argument("--docs", action="store_true", help="serve /docs and /openapi.json (Swagger UI loads from a CDN)")
     p.add_argument("--seed", type=int, default=1234, help="process random seed")
+    from megatron_jf.cli import add_precision_args
+
+    add_precision_args(p)
     d = p.add_argument_group("default decoder (per-request override: the 'jf' object)")
     d.add_argument("--decoder", default="mr", choices=("ar", "jacobi", "running-window", "mr"), help="decoder")
     d.add_argument("--block-size", type=int, default=16, help="n, draft tokens per block")
@@ -133,7 +136,14 @@ def main(argv=None) -> int:
         print(f"error: {args.load} has no tokenizer/ directory; pass --tokenizer", file=sys.stderr)
         return 2
     tokenizer = load_tokenizer(tok_path)
-    model, margs, _ = load_model(args.load)
+    from megatron_jf.cli import params_dtype
+
+    try:
+        dtype = params_dtype(args.params_dtype)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    model, margs, _ = load_model(args.load, params_dtype=dtype)
     stop_ids = stop_token_ids(tokenizer, margs, args.load)
     ctx = margs.max_position_embeddings
     if args.max_model_len is not None:

@@ -59,7 +59,9 @@ class TrainConfig:
     """Megatron-LM ``--sequence-parallel`` (tp > 1): norms and residuals run on ``S / tp`` positions per TP
     rank (activations between the TP regions split over the TP group); loss rows are gathered from the shards."""
     precision: str = "auto"
-    """``auto`` (bf16 on GPU with the megatron optimizer, else fp32) | ``fp32`` | ``bf16``."""
+    """``auto`` (bf16 on GPU with the megatron optimizer, else fp32) | ``fp32`` | ``bf16`` (GPU: bf16 weights, fp32
+    main weights in megatron's optimizer; CPU: fp32 weights and AdamW state, bf16 autocast compute, needs a CPU
+    with AVX-512 BF16 or AMX; :mod:`megatron_jf.precision`)."""
     threads: int | None = None
     """torch intra-op threads per process (CPU); None keeps torch's default."""
     seed: int = 1234
@@ -371,7 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sequence-parallel", action="store_true",
                    help="split norms/residuals over the TP group along the sequence (needs --tp > 1)")
     g.add_argument("--precision", choices=PRECISIONS, default=d.precision,
-                   help="weights/activations dtype (auto: bf16 on GPU with the megatron optimizer, else fp32)")
+                   help="compute precision (auto: bf16 on GPU with the megatron optimizer, else fp32); bf16 on CPU: "
+                        "fp32 master weights and AdamW state, bf16 autocast compute, refused on CPUs without "
+                        "AVX-512 BF16/AMX; the loss then differs from an fp32 run's by bf16 rounding")
     g.add_argument("--bf16", dest="precision", action="store_const", const="bf16", default=argparse.SUPPRESS,
                    help="Megatron-LM spelling of --precision bf16 (default: off, i.e. --precision's default)")
     g.add_argument("--threads", type=int, default=None,
