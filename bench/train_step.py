@@ -24,6 +24,17 @@ Usage::
 
     python bench/train_step.py                      # defaults: N=8 blocks of 16, prompt 64, batch 4, vocab 4096
     python bench/train_step.py --threads 2 --reps 7 --hidden 512 --layers 8 --vocab 32768
+
+``--compare-precision`` times only today's step (JF two-stream, loss rows) in fp32 and in CPU mixed precision
+(fp32 master weights, forward + loss + backward under bf16 autocast, as ``pretrain_jf.py --bf16`` trains on CPU:
+:mod:`megatron_jf.precision`), interleaved, and reports samples/s of each and their ratio. ``--shape`` sets the
+model to SmolLM2-135M's (hidden 576, 30 layers, 9 heads, 3 KV heads, FFN 1536, vocabulary 49152, tied) or the
+quickstart's model A (hidden 256, 4 layers, 8 heads, 2 KV heads, FFN 688, vocabulary 4096)::
+
+    python bench/train_step.py --compare-precision --shape smollm2 --prompt 160 --batch 2 --threads 2
+    python bench/train_step.py --compare-precision --shape model-a --prompt 64 --blocks 12 --batch 8 --threads 2
+
+On a CPU without native bf16 (no AVX-512 BF16 / AMX) the bf16 figure is emulated and says so.
 """
 
 from __future__ import annotations
@@ -59,6 +70,28 @@ def make_record(seed, *, prompt_len, block_size, num_blocks, vocab, num_states=6
     return TrajectoryRecord(f"b{seed}", prompt, blocks, block_size, False).validate()
 
 
+#: ``--shape`` presets: (hidden, layers, heads, kv_heads, ffn, vocab, tied embeddings).
+SHAPES = {"smollm2": (576, 30, 9, 3, 1536, 49152, True), "model-a": (256, 4, 8, 2, 688, 4096, False)}
+
+
+def compare_precision(step, opt, batch_size: int, reps: int, stat) -> dict:
+    """Time ``step()`` (forward + loss + backward) + the optimizer step in fp32 and under bf16 autocast,
+    interleaved (first round: warm-up). Returns ``{"fp32": s, "bf16": s}`` per step (``stat`` of ``reps``)."""
+    from megatron_jf.precision import autocast
+
+    times = {"fp32": [], "bf16": []}
+    for rep in range(reps + 1):
+        for name, dt in (("fp32", None), ("bf16", torch.bfloat16)):
+            opt.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            with autocast(dt):
+                step()
+            opt.step()
+            if rep:
+                times[name].append(time.perf_counter() - t0)
+    return {k: stat(v) for k, v in times.items()}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--blocks", type=int, default=8, help="N blocks per sample")
@@ -69,6 +102,10 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                   help="model shape preset (overrides --hidden/--layers/--heads/--vocab)")
+    p.add_argument("--compare-precision", action="store_true",
+                   help="time only the JF loss-rows step, fp32 vs bf16 autocast (fp32 master weights)")
     p.add_argument("--loss-chunk-size", type=int, default=None,
                    help="loss rows per chunk (default: the trainer's --loss-chunk-size default)")
     p.add_argument("--no-before", action="store_true", help="skip the full-row (before) JF step")
@@ -92,8 +129,11 @@ def main(argv=None):
     from megatron_jf.training.output_head import forward_loss_rows, head_loss, output_weight
 
     chunk = DEFAULT_LOSS_CHUNK if a.loss_chunk_size is None else a.loss_chunk_size
+    kv, ffn, tied = max(1, a.heads // 4), int(2.75 * a.hidden), False
+    if a.shape:
+        a.hidden, a.layers, a.heads, kv, ffn, a.vocab, tied = SHAPES[a.shape]
     hf = tiny_hf_config("qwen2", vocab=a.vocab, hidden=a.hidden, layers=a.layers, heads=a.heads,
-                        kv_heads=max(1, a.heads // 4), ffn=int(2.75 * a.hidden), max_pos=4096)
+                        kv_heads=kv, ffn=ffn, tied=tied, max_pos=4096)
     args = ModelArgs.from_hf_dict(hf.to_dict())
     model = build_model(args)
     dev = platform.default_device()
@@ -162,6 +202,25 @@ def main(argv=None):
         for b in per_block:
             jf_rows(b)
 
+    stat = min if a.stat == "min" else statistics.median
+    if a.compare_precision:
+        from megatron_jf.precision import cpu_bf16_feature
+
+        feat = cpu_bf16_feature()
+        t = compare_precision(lambda: jf_rows(two), opt, a.batch, a.reps, stat)
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"model: {n_params / 1e6:.2f}M params ({a.shape or 'custom'}: hidden {a.hidden}, {a.layers} layers, "
+              f"{a.heads}/{kv} heads, FFN {ffn}, vocab {a.vocab}), {a.threads} thread(s), device {dev}; CPU bf16: "
+              + (f"{feat} (native)" if feat else "none (emulated: pretrain_jf.py --bf16 refuses this CPU)"))
+        print(f"batch: {a.batch} samples x (prompt {a.prompt} + {a.blocks} blocks x {a.block_size}), two-stream "
+              f"rows {R} x {S}; JF step (loss rows) + AdamW, {a.stat} of {a.reps}")
+        for k in ("fp32", "bf16"):
+            print(f"  {k + (' autocast, fp32 master weights' if k == 'bf16' else ''):<40} {t[k] * 1e3:9.1f} ms"
+                  f"  {a.batch / t[k]:8.3f} samples/s")
+        print(f"bf16 / fp32 samples/s: {t['fp32'] / t['bf16']:.3f}")
+        parallel.destroy()
+        return
+
     fns = {"jf": lambda: jf_rows(two), "full": lambda: jf_full(two), "causal": causal_step,
            "dense": lambda: jf_rows(dense), "blocks": per_block_step}
     if a.no_before:
@@ -184,7 +243,6 @@ def main(argv=None):
             t = run_once(fn)
             if rep:
                 times[k].append(t)
-    stat = min if a.stat == "min" else statistics.median
     med = {k: stat(v) for k, v in times.items()}
     n_params = sum(p.numel() for p in model.parameters())
     C, M = len(two.pc_targets), len(two.ar_targets)

@@ -148,6 +148,13 @@ def add_parallel_args(p, *, tp_help: str = "tensor-parallel size (= WORLD_SIZE u
                    help="pipeline-parallel size; inference runs PP=1 and loads checkpoints of any layout")
 
 
+#: What the inference tools' help says about bf16 (one text for every tool).
+BF16_HELP = ("run the model in bfloat16 weights (default: bf16 on GPU, fp32 on CPU; on CPU it needs AVX-512 BF16 "
+             "or AMX and is refused without). bf16 outputs differ from fp32 outputs, and where the top two logits are "
+             "within bf16 rounding a decoder's output can part from greedy AR's (a wider or batched forward rounds "
+             "differently); lossless checks are exact in fp32")
+
+
 #: ``--dtype`` values (vLLM's names) -> the ``params_dtype`` names of :func:`add_precision_args`.
 _DTYPES = {"auto": None, "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "half": "fp16", "fp16": "fp16",
            "float32": "fp32", "float": "fp32", "fp32": "fp32"}
@@ -163,8 +170,7 @@ def add_precision_args(p) -> None:
     """``--bf16`` / ``--fp16`` (Megatron-LM's switches) or ``--dtype`` (vLLM's) set ``params_dtype``; none: bf16 on
     GPU, fp32 on CPU."""
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--bf16", dest="params_dtype", action="store_const", const="bf16", default=None,
-                   help="run the model in bfloat16 (none of --bf16/--fp16/--dtype: bf16 on GPU, fp32 on CPU)")
+    g.add_argument("--bf16", dest="params_dtype", action="store_const", const="bf16", default=None, help=BF16_HELP)
     g.add_argument("--fp16", dest="params_dtype", action="store_const", const="fp16",
                    help="run the model in float16 (none of --bf16/--fp16/--dtype: bf16 on GPU, fp32 on CPU)")
     g.add_argument("--dtype", dest="params_dtype", type=_dtype, metavar="{auto,bfloat16,float16,float32}",
@@ -172,11 +178,19 @@ def add_precision_args(p) -> None:
 
 
 def params_dtype(name: str | None):
-    """``torch`` dtype for a :func:`add_precision_args` value (``None``: the platform default)."""
+    """``torch`` dtype for a :func:`add_precision_args` value (``None``: the platform default).
+
+    Raises:
+        ValueError: ``bf16`` on a CPU without native bf16 (:func:`megatron_jf.precision.require_cpu_bf16`).
+    """
     import torch
 
-    from megatron_jf.platform import default_dtype
+    from megatron_jf.platform import HAVE_CUDA, default_dtype
 
+    if name == "bf16" and not HAVE_CUDA:
+        from megatron_jf.precision import require_cpu_bf16
+
+        require_cpu_bf16("--bf16")
     return {None: default_dtype(), "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 

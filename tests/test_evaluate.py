@@ -205,3 +205,24 @@ def test_search_writes_best_config(ckpt, tmp_path):
     assert res["fit"]["terms"] == ["1", "x", "v", "xv"] and res["fit"]["r2"] == pytest.approx(1.0)
     assert open(out / "surface.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert search.fit_quadratic_surface([(0, 0, 1.0)]) == {"terms": ["1"], "coef": [1.0], "r2": 1.0}
+
+
+def test_evaluate_bf16_lossless_in_its_precision_and_keyed_apart(ckpt, tmp_path, monkeypatch, capsys):
+    """``--bf16``: bf16 weights, the decoder equal to AR in bf16; its results never resume into an fp32 run's file;
+    refused in one line on a CPU without native bf16."""
+    from megatron_jf.platform import HAVE_CUDA
+    from megatron_jf.precision import CPU_BF16_ENV
+
+    ev = _tool("evaluate")
+    out = tmp_path / "out"
+    monkeypatch.setenv(CPU_BF16_ENV, "1")
+    assert ev.main(_eval_args(ckpt, out, "gsm8k", "--bf16")) == 0
+    s = json.load(open(out / "gsm8k_jacobi.summary.json"))
+    assert s["lossless"] == {"checked": 2, "identical": 2, "mismatched": []} and s["decoder"]["tpf"] > 1.5
+    assert ev.main(_eval_args(ckpt, out, "gsm8k")) == 2  # fp32 into the bf16 run's file: another configuration
+    assert "another configuration" in capsys.readouterr().err
+    if not HAVE_CUDA:
+        monkeypatch.setenv(CPU_BF16_ENV, "0")
+        assert ev.main(_eval_args(ckpt, tmp_path / "o2", "gsm8k", "--bf16")) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("evaluate: error: --bf16 on CPU needs native bf16"), err

@@ -165,3 +165,61 @@ def test_work_directory_of_other_preset_settings_is_refused(tmp_path):
     atomic_write_json(out / "preset.json", dict(asdict(PRESETS["real"]), n_train_prompts=64, jf_lr=2e-5))
     with pytest.raises(SystemExit, match=r"other preset settings \(jf_lr, n_train_prompts\).*--fresh"):
         main(["--real", "--out", str(out), "--until", "corpus"])
+
+
+def test_recipe_knobs_from_the_command_line_reach_the_stages(tmp_path, monkeypatch):
+    """--lr/--ar-weight/--anchor-weight/--traj2-prompts/--jf2-steps/--precision set the preset
+    (recorded in preset.json), and the stages pass them on: bf16 training and collection, the anchor term on real
+    text made from the stdlib train split in the model's tokenizer. bf16 on a CPU without it stops at once."""
+    import numpy as np
+    import pytest
+
+    from megatron_jf.precision import CPU_BF16_ENV
+    from megatron_jf.quickstart import pipeline as P
+    from megatron_jf.quickstart.corpus import list_corpus_files, split_files
+    from megatron_jf.quickstart.tokenizer_train import train_bpe_tokenizer
+    from megatron_jf.tokenizer import load_tokenizer
+
+    seen = []
+    monkeypatch.setattr(P.Pipeline, "execute", lambda self, until=None: seen.append(self.p))
+    monkeypatch.setenv(CPU_BF16_ENV, "1")
+    out = tmp_path / "w"
+    knobs = ["--lr", "5e-5", "--ar-weight", "4", "--anchor-weight", "0.5", "--traj2-prompts", "200",
+             "--jf2-steps", "100", "--precision", "bf16"]
+    P.main(["--real", "--out", str(out), *knobs])
+    pre = seen[-1]
+    assert (pre.jf_lr, pre.jf_ar_weight, pre.anchor_weight, pre.traj2_prompts, pre.jf2_steps, pre.precision) == (
+        5e-5, 4.0, 0.5, 200, 100, "bf16")
+    assert json.loads((out / "preset.json").read_text())["jf_lr"] == 5e-5
+    with pytest.raises(SystemExit, match=r"other preset settings \(jf_lr\)"):  # resumes only with the same recipe
+        P.main(["--real", "--out", str(out), *knobs[2:]])
+    monkeypatch.setenv(CPU_BF16_ENV, "0")
+    with pytest.raises(SystemExit, match="--precision bf16 on CPU needs native bf16"):
+        P.main(["--real", "--out", str(tmp_path / "w2"), "--precision", "bf16"])
+
+    pipe = P.Pipeline(out, pre, log=lambda *a: None)
+    tok_dir = train_bpe_tokenizer(tmp_path / "tok", texts=["def f(x):\n    return x + 1\n"] * 30, vocab_size=300,
+                                  overwrite=True)
+    monkeypatch.setattr(pipe, "_tokenizer_dir", lambda: tok_dir)
+    monkeypatch.setattr(P, "ANCHOR_TOKENS", 3000)
+    calls = []
+    pipe.run = lambda args, stage: calls.append([str(a) for a in args])
+    pipe.stage_jf("jf2", "jf1", "traj2", 32, 8, 100)
+    a = calls[-1]
+    for flag, value in (("--precision", "bf16"), ("--lr", "5e-05"), ("--ar-weight", "4.0"), ("--anchor-weight", "0.5"),
+                        ("--anchor-micro-batch-size", "1"), ("--anchor-data", str(out / "tokens_train.npy"))):
+        assert a[a.index(flag) + 1] == value, flag
+    ids = np.load(out / "tokens_train.npy")
+    assert ids.dtype == np.int32 and len(ids) == 3000
+    first = split_files(list_corpus_files())[0][0]  # the train split's first file, in the model's tokenizer
+    want = load_tokenizer(tok_dir).encode(open(first.path, encoding="utf-8", errors="replace").read())
+    assert ids[:100].tolist() == want[:100]
+    (out / "prompts_train.jsonl").write_text(json.dumps({"id": "0", "prompt_ids": [1]}) + "\n")
+    pipe.run = lambda args, stage: (calls.append([str(x) for x in args]), (out / stage).mkdir(exist_ok=True),
+                                    (out / stage / "manifest.json").write_text('{"counts": {"records": 1}}'))
+    pipe.stage_traj("traj2", "jf1", 32)
+    assert "--bf16" in calls[-1]
+    pipe = P.Pipeline(tmp_path / "w3", PRESETS["real"], log=lambda *a: None)  # the preset as run: fp32, no anchor
+    pipe.run = lambda args, stage: calls.append([str(x) for x in args])
+    pipe.stage_jf("jf1", "base", "traj1", 16, 16, 128)
+    assert "--anchor-data" not in calls[-1] and "--precision" not in calls[-1]

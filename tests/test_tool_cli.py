@@ -163,11 +163,14 @@ def test_pipeline_parallel_other_than_one_is_a_named_error(name, capsys):
     assert "inference tools run pipeline-parallel size 1" in capsys.readouterr().err
 
 
-def test_precision_switches_map_to_dtypes():
+def test_precision_switches_map_to_dtypes(monkeypatch):
     import torch
 
     from megatron_jf.cli import params_dtype
     from megatron_jf.platform import default_dtype
+    from megatron_jf.precision import CPU_BF16_ENV
+
+    monkeypatch.setenv(CPU_BF16_ENV, "1")  # --bf16 on any CPU (refused without native bf16: test below)
 
     p = _parser("generate")
     assert params_dtype(p.parse_args(["--load", "x", "--bf16"]).params_dtype) is torch.bfloat16
@@ -175,3 +178,24 @@ def test_precision_switches_map_to_dtypes():
     assert params_dtype(p.parse_args(["--load", "x"]).params_dtype) is default_dtype()
     with pytest.raises(SystemExit):
         p.parse_args(["--load", "x", "--bf16", "--fp16"])
+
+
+@pytest.mark.parametrize("name", ("generate", "evaluate", "generate_trajectories", "run_text_generation_server"))
+def test_bf16_help_says_outputs_differ_and_cpu_without_bf16_is_refused(name, monkeypatch):
+    import torch
+
+    from megatron_jf.cli import params_dtype
+    from megatron_jf.platform import HAVE_CUDA
+    from megatron_jf.precision import CPU_BF16_ENV
+
+    p = _parser(name)
+    help_text = " ".join(p.format_help().split())
+    assert "bf16 outputs differ from fp32 outputs" in help_text and "AVX-512 BF16" in help_text
+    name_ = p.parse_args(REQUIRED.get(name, ["--load", "x"]) + ["--bf16"]).params_dtype
+    monkeypatch.setenv(CPU_BF16_ENV, "0")
+    if HAVE_CUDA:
+        assert params_dtype(name_) is torch.bfloat16
+    else:
+        with pytest.raises(ValueError, match="--bf16 on CPU needs native bf16"):
+            params_dtype(name_)
+

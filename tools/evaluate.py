@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="eval_out", help="output directory")
     cli.add_threads_arg(p)
     cli.add_parallel_args(p)
+    cli.add_precision_args(p)
     p.add_argument("--seed", type=int, default=1234, help="seed of the draft initialisation")
     p.add_argument("--score-timeout", type=float, default=10.0, help="sandbox seconds per program")
     p.add_argument("--math-cpu-limit", type=float, default=20.0,
@@ -69,7 +70,7 @@ def config_from_args(a: argparse.Namespace):
                       threads=a.threads, tp=a.tp, seed=a.seed, strict_lossless=not a.allow_mismatch,
                       score_timeout_s=a.score_timeout, warmup=not a.no_warmup, progress=not a.no_progress,
                       math_cpu_s=a.math_cpu_limit, isolation="none" if a.unisolated else "os",
-                      hf_baseline=not a.no_hf_baseline)
+                      hf_baseline=not a.no_hf_baseline, params_dtype=a.params_dtype)
 
 
 def main(argv=None) -> int:

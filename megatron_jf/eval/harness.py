@@ -144,7 +144,7 @@ class LoadedModel:
 
 
 def load_for_inference(ckpt_dir: str, *, tokenizer: Optional[str] = None, tp: int = 1, seed: int = 1234,
-                       threads: Optional[int] = None) -> LoadedModel:
+                       threads: Optional[int] = None, params_dtype: Optional[str] = None) -> LoadedModel:
     """Initialise (TP ``tp``, PP 1), load the checkpoint and its tokenizer, wrap the model in an Engine.
 
     Args:
@@ -153,10 +153,12 @@ def load_for_inference(ckpt_dir: str, *, tokenizer: Optional[str] = None, tp: in
         tp: tensor-parallel size (all ranks must call this identically).
         seed: seed for :func:`megatron_jf.parallel.set_seed`.
         threads: ``torch.set_num_threads`` value (None: leave as is).
+        params_dtype: ``"bf16"`` / ``"fp16"`` weights (``--bf16`` / ``--fp16``); None: the platform default.
 
     Raises:
         CheckpointNotFound: ``ckpt_dir`` missing or not a checkpoint.
         TokenizerNotFound: no tokenizer in the checkpoint and none given.
+        ValueError: bf16 on a CPU without native bf16 (:func:`megatron_jf.cli.params_dtype`).
     """
     from megatron_jf.load_errors import reject_hf_dir
 
@@ -186,7 +188,9 @@ def load_for_inference(ckpt_dir: str, *, tokenizer: Optional[str] = None, tp: in
         torch.set_num_threads(int(threads))
     parallel.initialize(tp, 1)
     parallel.set_seed(seed)
-    model, args, meta = load_model(ckpt_dir)
+    from megatron_jf.cli import params_dtype as dtype_of
+
+    model, args, meta = load_model(ckpt_dir, params_dtype=dtype_of(params_dtype))
     tok = load_tokenizer(tok_dir)
     eos = stop_token_ids(tok, args, ckpt_dir)  # the one stop set (also the server's)
     return LoadedModel(Engine(model), tok, eos, meta, ckpt_dir)
@@ -228,6 +232,8 @@ class EvalConfig:
         hf_baseline: also time ``transformers`` greedy on the same weights (TP=1; exactly AR's tokens per
             sample) and report ``speedup_vs_fastest_ar``, against the faster of the two ARs
             (:mod:`megatron_jf.eval.hf_baseline`).
+        params_dtype: ``"bf16"`` / ``"fp16"`` weights (``--bf16``: outputs differ from fp32 ones; lossless means
+            equal to greedy AR in the same precision); None: the platform default (fp32 on CPU).
     """
 
     load: str
@@ -252,6 +258,7 @@ class EvalConfig:
     warmup: bool = True
     progress: bool = True
     hf_baseline: bool = True
+    params_dtype: Optional[str] = None
 
     def validate(self) -> None:
         """Check names and ranges before anything heavy is loaded.
@@ -279,6 +286,14 @@ class EvalConfig:
             raise HarnessError(f"isolation must be one of {ISOLATIONS}, got {self.isolation!r}")
         if not (self.math_cpu_s > 0):
             raise HarnessError(f"math CPU-time limit must be > 0 s, got {self.math_cpu_s!r}")
+        if self.params_dtype not in (None, "bf16", "fp16"):
+            raise HarnessError(f"params_dtype must be None, 'bf16' or 'fp16', got {self.params_dtype!r}")
+        from megatron_jf.cli import params_dtype
+
+        try:
+            params_dtype(self.params_dtype)  # bf16 on a CPU without native bf16: refused before loading
+        except ValueError as e:
+            raise HarnessError(str(e)) from None
 
     @property
     def stem(self) -> str:
@@ -294,6 +309,8 @@ def _run_key(cfg: EvalConfig, dec_cfg, ckpt_meta: dict, pinfo: dict) -> str:
         "decode": asdict(dec_cfg), "max_new_tokens": cfg.max_new_tokens, "prompt": pinfo,
         "data": os.path.abspath(cfg.data) if cfg.data else None, "benchmark": cfg.benchmark, "seed": cfg.seed,
     }
+    if cfg.params_dtype:  # absent when unset: results written before the option existed keep their key
+        key["params_dtype"] = cfg.params_dtype
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -440,7 +457,8 @@ def run_evaluation(cfg: EvalConfig, *, loaded: Optional[LoadedModel] = None,
     dec_cfg = decode_config_from(cfg.decoder, **cfg.decode)
     ar_cfg = decode_config_from("ar")
     if loaded is None:
-        loaded = load_for_inference(cfg.load, tokenizer=cfg.tokenizer, tp=cfg.tp, seed=cfg.seed, threads=cfg.threads)
+        loaded = load_for_inference(cfg.load, tokenizer=cfg.tokenizer, tp=cfg.tp, seed=cfg.seed, threads=cfg.threads,
+                                    params_dtype=cfg.params_dtype)
     elif cfg.threads:
         import torch
 

@@ -23,7 +23,8 @@ HF = "transformers greedy"
 
 
 def hf_twin(model):
-    """A ``transformers`` causal LM (fp32, eval) with the same weights as ``model``, or None under TP > 1.
+    """A ``transformers`` causal LM (eval, in the dtype of ``model``'s weights: fp32, or bf16 under ``--bf16``) with
+    the same weights as ``model``, or None under TP > 1.
 
     Args:
         model: a (possibly wrapped) :class:`~megatron_jf.models.gpt.JFGPTModel` on one pipeline stage.
@@ -41,8 +42,9 @@ def hf_twin(model):
     args = m.model_args
     d = args.to_hf_dict()
     cfg = AutoConfig.for_model(d.pop("model_type"), **d)
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    sd = {k: v.float() for k, v in mcore_to_hf([[m.state_dict()]], args).items()}
+    dtype = next(m.parameters()).dtype
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    sd = {k: v.to(dtype) for k, v in mcore_to_hf([[m.state_dict()]], args).items()}
     hf.load_state_dict(sd, strict=not args.tie_word_embeddings)
     if args.tie_word_embeddings:
         hf.tie_weights()

@@ -144,9 +144,10 @@ class KVCache:
         st = self._step
         if st is None:
             raise RuntimeError("KVCache.update called outside a forward (call begin() first)")
+        k, v = k.to(self.k.dtype), v.to(self.v.dtype)  # under CPU autocast the projections come out in bf16
         if st.write_pos is not None:
-            self.k[slot].index_copy_(2, st.write_pos, k.to(self.k.dtype))
-            self.v[slot].index_copy_(2, st.write_pos, v.to(self.v.dtype))
+            self.k[slot].index_copy_(2, st.write_pos, k)
+            self.v[slot].index_copy_(2, st.write_pos, v)
         elif st.start is not None:
             self.k[slot, :, :, st.start:st.start + st.s] = k
             self.v[slot, :, :, st.start:st.start + st.s] = v

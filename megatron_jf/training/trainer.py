@@ -26,7 +26,9 @@ Memory
 
 Optimizers (``--use-megatron-optimizer``, automatic: on with CUDA, off without)
     * **CPU path** (megatron's optimizer hard-codes CUDA, ``shared/research/mcore_cpu.md`` Sec. 4):
-      ``torch.optim.AdamW``, fp32 weights. Data parallelism: ``torch.nn.parallel.DistributedDataParallel``
+      ``torch.optim.AdamW``, fp32 weights; ``--precision bf16`` runs every microbatch's forward, loss and backward
+      under bf16 autocast with those fp32 weights as the master weights (:mod:`megatron_jf.precision`; refused on a
+      CPU without native bf16). Data parallelism: ``torch.nn.parallel.DistributedDataParallel``
       over the DP group (gloo) with ``no_sync`` across microbatches when ``pp == 1``. With ``pp > 1``
       megatron's 1F1B schedule runs the last microbatch's *forward* inside ``no_sync`` (megatron's own DDP
       reduces explicitly in ``finish_grad_sync``), so torch DDP would never reduce; there the gradients
@@ -156,10 +158,16 @@ class Trainer:
         prec = cfg.precision
         if prec == "auto":
             prec = "bf16" if (self.gpu and self.use_mopt) else "fp32"
+        self.autocast_dtype = None  # CPU bf16: fp32 weights, bf16 autocast (megatron_jf.precision)
         if prec == "bf16" and not self.use_mopt:
-            raise ValueError("--precision bf16 needs the megatron optimizer (fp32 main weights); "
-                             "the torch AdamW path trains in fp32")
-        self.dtype = torch.bfloat16 if prec == "bf16" else torch.float32
+            if self.gpu:
+                raise ValueError("--precision bf16 on GPU needs the megatron optimizer (fp32 main weights); "
+                                 "the torch AdamW path trains in fp32 there")
+            from megatron_jf.precision import require_cpu_bf16
+
+            require_cpu_bf16()
+            self.autocast_dtype = torch.bfloat16
+        self.dtype = torch.bfloat16 if prec == "bf16" and self.use_mopt else torch.float32
         self.dp = ps.get_data_parallel_world_size()
         gbs = cfg.global_batch_size or cfg.micro_batch_size * self.dp
         if gbs % (cfg.micro_batch_size * self.dp):
@@ -192,6 +200,8 @@ class Trainer:
         self.optimizer = self._build_optimizer()
         config = self.module.config
         config.variable_seq_lengths = cfg.pp > 1 and cfg.variable_seq_lengths
+        if self.autocast_dtype is not None:  # stages exchange the autocast (bf16) residual stream
+            config.pipeline_dtype = self.autocast_dtype
         config.finalize_model_grads_func = self._finalize_grads
         if self.use_mopt:
             from megatron.core.distributed import finalize_model_grads
@@ -462,9 +472,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
     def _run_schedule(self, data_iterator, num_micro: int, forward_only: bool):
-        return self.fwd_bwd(forward_step_func=self.forward_step, data_iterator=data_iterator, model=[self.model],
-                            num_microbatches=num_micro, seq_length=self.seq_length,
-                            micro_batch_size=self.rows_per_micro, forward_only=forward_only)
+        from megatron_jf.precision import autocast
+
+        with autocast(self.autocast_dtype):  # forwards, losses and backwards of every microbatch
+            return self.fwd_bwd(forward_step_func=self.forward_step, data_iterator=data_iterator,
+                                model=[self.model], num_microbatches=num_micro, seq_length=self.seq_length,
+                                micro_batch_size=self.rows_per_micro, forward_only=forward_only)
 
     def _is_loss_rank(self) -> bool:
         return self.ps.is_pipeline_last_stage() and self.ps.get_tensor_model_parallel_rank() == 0

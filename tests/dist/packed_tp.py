@@ -5,32 +5,20 @@ Usage: torchrun --nproc_per_node 2 tests/dist/packed_tp.py WORKDIR
 Prints ``RESULT {"layout", "loss", "grad_norm"}`` lines (JSON) on global rank 0; tests/test_packed_attention.py
 compares them with a single-process two-stream run of the same data and weights.
 """
-import json
 import os
 import sys
-from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def main():
-    import torch.distributed as dist
-
-    import pretrain_jf
     from megatron_jf import parallel
-    from megatron_jf.training.trainer import Trainer
-    from train_fixtures import hf_weights_provider, parallel_config
+    from train_fixtures import train_and_report
 
     work = sys.argv[1]
     for layout, name, tp, sp in (("tp2", "two_stream_kl", 2, False), ("tp2_sp", "two_stream_kl", 2, True),
                                  ("dp2", "two_stream_kl", 1, False), ("tp2_sp_ncic", "dense_ncic_ref", 2, True)):
-        cfg = parallel_config(work, name, tp=tp, attention_path="packed", sequence_parallel=sp)
-        tr = Trainer(cfg, hf_weights_provider(os.path.join(work, "hf")), partial(pretrain_jf.forward_step, cfg=cfg),
-                     pretrain_jf.train_valid_datasets_provider)
-        hist = tr.train()
-        if dist.get_rank() == 0:
-            print("RESULT " + json.dumps({"layout": layout, "loss": [h["loss"] for h in hist],
-                                          "grad_norm": [h["grad norm"] for h in hist]}), flush=True)
+        train_and_report(work, layout, name, tp=tp, attention_path="packed", sequence_parallel=sp)
     parallel.destroy()
 
 

@@ -123,6 +123,25 @@ def parallel_config(work: str, name: str, **over):
     return TrainConfig(**kw)
 
 
+def train_and_report(work: str, layout: str, name: str, **over) -> None:
+    """Under torchrun: train :func:`parallel_config` ``(work, name, **over)`` from the HF weights of ``work`` and print
+    ``RESULT {"layout", "loss", "grad_norm"}`` (JSON, per-step lists) on global rank 0."""
+    import json
+    from functools import partial
+
+    import torch.distributed as dist
+
+    import pretrain_jf
+    from megatron_jf.training.trainer import Trainer
+
+    cfg = parallel_config(work, name, **over)
+    hist = Trainer(cfg, hf_weights_provider(os.path.join(work, "hf")), partial(pretrain_jf.forward_step, cfg=cfg),
+                   pretrain_jf.train_valid_datasets_provider).train()
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps({"layout": layout, "loss": [h["loss"] for h in hist],
+                                      "grad_norm": [h["grad norm"] for h in hist]}), flush=True)
+
+
 #: Activation-recomputation settings exercised by the recompute tests (Megatron-LM flag meanings).
 RECOMPUTE_MODES = {
     "selective": dict(recompute_granularity="selective"),

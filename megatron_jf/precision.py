@@ -1,0 +1,131 @@
+"""Mixed precision on CPU: bf16 support detection and the bf16 autocast region of training and inference.
+
+What ``bf16`` means where (``pretrain_jf.py --precision bf16`` / ``--bf16``):
+
+* **GPU** (megatron's optimizer): bf16 weights and compute, fp32 main weights and optimizer state in megatron's
+  optimizer -- unchanged, not handled here.
+* **CPU** (torch AdamW): the weights stay fp32 -- they are the master weights, and AdamW and its state stay fp32
+  -- and every forward (and the loss) runs under ``torch.autocast("cpu", dtype=torch.bfloat16)``: matrix products
+  (the linear layers, attention scores and output layer) take bf16 inputs and accumulate in fp32, bf16 results;
+  embeddings, norms, residual sums, softmax and the losses stay fp32 (the losses cast logits to fp32). Gradients
+  reach the fp32 weights as fp32. Same compute precision as the GPU path, without a second copy of the weights.
+
+bf16 only pays on a CPU with native bf16 dot products (x86 AVX-512 BF16 or AMX, Arm ``bf16``); elsewhere
+they are emulated and bf16 runs many times *slower* than fp32 (an AVX2-only AMD EPYC, one thread: the JF training
+step of a SmolLM2-135M-shaped model at 0.078x the fp32 samples/s, ``bench/train_step.py --compare-precision --shape
+smollm2``), so :func:`require_cpu_bf16` refuses it with a one-line error. ``MEGATRON_JF_CPU_BF16=1`` runs it anyway (tests, measurements); ``=0`` behaves as a
+CPU without support.
+
+megatron-core's linear layers run their matrix product inside ``torch.autograd.Function`` s whose backward
+multiplies the output gradient by the saved weight; under CPU autocast the forward's product is bf16 while the
+saved weight is the fp32 parameter, and that backward fails (``expected m1 and m2 to have the same dtype``).
+:func:`autocast` therefore wraps those Functions' forwards (once, process-wide, a no-op outside a CPU autocast
+region): inside the region the input, weight and bias are cast to the autocast dtype before the product, so the
+backward sees bf16 tensors throughout; the weight gradient (bf16) is cast back to the fp32 parameter's dtype by
+autograd, as for any autocast product.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+
+import torch
+
+__all__ = ["CPU_BF16_ENV", "cpu_bf16_feature", "cpu_bf16_supported", "require_cpu_bf16", "autocast"]
+
+#: ``1``: allow bf16 on a CPU without native bf16 (tests, measurements); ``0``: treat the CPU as without it.
+CPU_BF16_ENV = "MEGATRON_JF_CPU_BF16"
+#: ``/proc/cpuinfo`` flags of native bf16 dot products: x86 AMX and AVX-512 BF16, Arm (``Features``) BF16.
+_BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
+
+
+def _cpuinfo_flags(path: str = "/proc/cpuinfo") -> set[str] | None:
+    """The first CPU's feature flags (x86 ``flags``, Arm ``Features``); None where the file is unreadable."""
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return set(value.split())
+    except OSError:
+        return None
+    return set()
+
+
+def cpu_bf16_feature(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The CPU feature that gives native bf16 dot products (``amx_bf16``, ``avx512_bf16`` or Arm ``bf16``), or
+    None. Read from ``cpuinfo``; without it (not Linux), from torch's own CPU probe (AVX-512 BF16 only)."""
+    flags = _cpuinfo_flags(cpuinfo)
+    if flags is None:
+        probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+        return "avx512_bf16" if probe is not None and probe() else None
+    return next((f for f in _BF16_FLAGS if f in flags), None)
+
+
+def cpu_bf16_supported() -> bool:
+    """True when bf16 compute is allowed on this CPU: native support (:func:`cpu_bf16_feature`), or
+    ``MEGATRON_JF_CPU_BF16=1``; ``MEGATRON_JF_CPU_BF16=0`` makes it False."""
+    env = os.environ.get(CPU_BF16_ENV, "")
+    if env in ("0", "1"):
+        return env == "1"
+    return cpu_bf16_feature() is not None
+
+
+def require_cpu_bf16(option: str = "--precision bf16") -> None:
+    """Refuse bf16 compute on a CPU without native bf16 (see the module docstring).
+
+    Raises:
+        ValueError: one line naming ``option``, what is missing, and the way out.
+    """
+    if not cpu_bf16_supported():
+        raise ValueError(f"{option} on CPU needs native bf16 dot products (AVX-512 BF16 or AMX; /proc/cpuinfo "
+                         "flags avx512_bf16 / amx_bf16), which this CPU lacks, so bf16 would run several times "
+                         f"slower than fp32: use fp32, or set {CPU_BF16_ENV}=1 to run bf16 anyway")
+
+
+_LINEARS_WRAPPED = False
+
+
+def _autocast_linear_forward(forward):
+    """``forward(ctx, input, weight, bias, *rest)`` of a megatron linear Function, casting its tensors to the CPU
+    autocast dtype inside a CPU autocast region (and running with autocast off, as ``torch.amp.custom_fwd`` with
+    ``cast_inputs`` does), unchanged elsewhere."""
+
+    def wrapped(ctx, input, weight, bias, *rest):
+        if input.device.type != "cpu" or not torch.is_autocast_enabled("cpu"):
+            return forward(ctx, input, weight, bias, *rest)
+        dt = torch.get_autocast_dtype("cpu")
+        with torch.autocast("cpu", enabled=False):
+            return forward(ctx, input.to(dt), weight.to(dt), None if bias is None else bias.to(dt), *rest)
+
+    return wrapped
+
+
+def _wrap_megatron_linears() -> None:
+    """Make megatron-core's linear Functions CPU-autocast aware (see the module docstring); idempotent."""
+    global _LINEARS_WRAPPED
+    if _LINEARS_WRAPPED:
+        return
+    from megatron.core.tensor_parallel import layers
+
+    for cls in (layers.LinearWithGradAccumulationAndAsyncCommunication, layers.LinearWithFrozenWeight):
+        cls.forward = staticmethod(_autocast_linear_forward(cls.forward))
+    # the residual stream is bf16 in the region (megatron casts it to the dtype of the layer outputs) while the norm
+    # weights stay fp32: torch's RMSNorm then takes its unfused path and says so once; that is the intended mix
+    warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
+    _LINEARS_WRAPPED = True
+
+
+@contextlib.contextmanager
+def autocast(dtype: torch.dtype | None):
+    """The CPU mixed-precision region: ``torch.autocast("cpu", dtype=dtype)`` with megatron's linear layers made
+    autocast aware. ``dtype`` None (fp32 runs, and every GPU run: megatron's bf16 path needs no autocast): a
+    no-op. Weights keep their dtype; see the module docstring for which operations run in ``dtype``."""
+    if dtype is None:
+        yield
+        return
+    _wrap_megatron_linears()
+    with torch.autocast("cpu", dtype=dtype):
+        yield

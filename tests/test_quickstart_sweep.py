@@ -1,0 +1,86 @@
+"""The round-2 recipe sweep (megatron_jf.quickstart.sweep) on a tiny finished "quickstart" directory: each run trains
+round 2 from the round-1 checkpoint with its own lr / AR weight / anchor weight and is measured (Jacobi TPF with
+output == AR, held-out NLL, distinct-4); re-running skips finished runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from dataclasses import asdict, replace
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist"))
+from train_fixtures import make_record, write_shards  # noqa: E402
+
+
+def test_parse_run_and_names():
+    from megatron_jf.quickstart.sweep import parse_run, run_name
+
+    assert parse_run("lr=3e-5, ar=4") == {"jf_lr": 3e-5, "jf_ar_weight": 4.0}
+    assert run_name(parse_run("ar=4,lr=3e-5,steps=96,anchor=1")) == "lr3e-05_ar4_anchor1_steps96"
+    for bad, msg in (("lr=fast", "is not a float"), ("beta=1", "unknown key 'beta'"), ("", "give key=value")):
+        with pytest.raises(ValueError, match=msg):
+            parse_run(bad)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, mp1):
+    """A work directory past traj2: base = jf1 = a tiny peaked checkpoint with a tokenizer, n=32 trajectories,
+    evaluation prompts, held-out tokens, a smoke preset with 2 round-2 steps of 2 samples."""
+    from megatron_jf.checkpointing import read_meta
+    from megatron_jf.fileio import atomic_write_json
+    from megatron_jf.quickstart.pipeline import PRESETS
+    from megatron_jf.server.tiny import build_tiny_checkpoint
+
+    src = tmp_path_factory.mktemp("qs")
+    ck = build_tiny_checkpoint(str(src / "tiny"), in_process=True, max_pos=512)
+    shutil.copytree(ck, src / "base")
+    shutil.copytree(ck, src / "jf1")
+    V = read_meta(ck)["model_args"]["vocab_size"]
+    write_shards(str(src / "traj2"), [make_record(i, prompt_len=6, block_size=32, num_blocks=2, vocab=V)
+                                      for i in range(4)])
+    (src / "traj2.done").write_text("{}")
+    g = np.random.default_rng(0)
+    (src / "prompts_eval.jsonl").write_text("".join(json.dumps({"id": str(i), "prompt_ids": g.integers(0, V - 1, 5)
+                                                                 .tolist()}) + "\n" for i in range(2)))
+    np.save(src / "tokens_heldout.npy", g.integers(0, V - 1, 3000).astype(np.int32))
+    np.save(src / "tokens_train.npy", g.integers(0, V - 1, 3000).astype(np.int32))
+    pre = replace(PRESETS["smoke"], jf2_steps=2, jf_mbs=2, response_tokens=24, nll_chunks=2, threads=1,
+                  pretrain_seq=32, anchor_mbs=1)
+    atomic_write_json(src / "preset.json", asdict(pre))
+    return src
+
+
+def test_sweep_trains_each_run_and_measures_it(finished, tmp_path, capsys):
+    from megatron_jf.quickstart import sweep
+
+    out = tmp_path / "sweep"
+    argv = ["--from", str(finished), "--out", str(out), "--run", "lr=1e-3,ar=1,anchor=0", "--run", "lr=1e-3,ar=1,anchor=1",
+            "--threads", "1"]
+    sweep.main(argv)
+    rows = json.loads((out / "sweep.json").read_text())
+    assert [r["run"] for r in rows] == ["base", "jf1", "lr0.001_ar1_anchor0", "lr0.001_ar1_anchor1"]
+    base, jf1, plain, anchored = rows
+    assert base["nll"] == pytest.approx(jf1["nll"])  # the same weights (round 1 = base here)
+    assert "tpf" not in base and jf1["tpf"] >= 1.0
+    assert (plain["anchor"], anchored["anchor"], plain["lr"], plain["ar"]) == (0, 1, 1e-3, 1)
+    for r in (plain, anchored):
+        assert r["samples"] == 4 and r["tpf"] >= 1.0 and 0 < r["distinct4"] <= 1 and r["train_s"] > 0
+        assert r["nll"] != jf1["nll"]  # round 2 changed the weights
+    assert plain["nll"] != anchored["nll"]  # the anchor term changed the training
+    log = [json.loads(line) for line in open(out / "lr0.001_ar1_anchor1" / "jf2_log.jsonl")]
+    plain_log = json.loads(open(out / "lr0.001_ar1_anchor0" / "jf2_log.jsonl").readline())
+    assert "anchor_loss" in log[-1] and "anchor_loss" not in plain_log
+    assert os.path.islink(out / "lr0.001_ar1_anchor0" / "jf1")  # the round-1 model is shared, not copied
+    md = (out / "sweep.md").read_text()
+    assert "| lr0.001_ar1_anchor0 | 0.001 | 1 | 0 | 4 | " in md and f"({plain['nll'] - base['nll']:+.3f})" in md
+    before = (out / "lr0.001_ar1_anchor0" / "result.json").read_text()
+    sweep.main(argv)  # finished runs are skipped
+    assert (out / "lr0.001_ar1_anchor0" / "result.json").read_text() == before
+    (tmp_path / "preset.json").write_text("{}")
+    with pytest.raises(SystemExit, match="has no traj2.done: run the quickstart there up to round 2"):
+        sweep.main(["--from", str(tmp_path), "--out", str(out), "--run", "lr=1e-3"])
