@@ -173,6 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     try:  # arguments and the --load path first: answered before torch and megatron-core are imported
         cfg = parse_config(argv)
         check_load_dir(cfg.load)
+        if cfg.precision == "bf16":  # refused on a CPU without native bf16 before megatron-core is imported
+            import torch
+
+            if not torch.cuda.is_available():
+                from megatron_jf.precision import require_cpu_bf16
+
+                require_cpu_bf16()
     except (ValueError, FileNotFoundError) as e:
         print(f"pretrain_jf.py: error: {e}", file=sys.stderr, flush=True)
         return 1

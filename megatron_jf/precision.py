@@ -33,7 +33,7 @@ import warnings
 
 import torch
 
-__all__ = ["CPU_BF16_ENV", "cpu_bf16_feature", "cpu_bf16_supported", "require_cpu_bf16", "autocast"]
+__all__ = ["CPU_BF16_ENV", "cpu_bf16_feature", "cpu_bf16_supported", "require_cpu_bf16", "residual_stream_dtype", "autocast"]
 
 #: ``1``: allow bf16 on a CPU without native bf16 (tests, measurements); ``0``: treat the CPU as without it.
 CPU_BF16_ENV = "MEGATRON_JF_CPU_BF16"
@@ -83,6 +83,19 @@ def require_cpu_bf16(option: str = "--precision bf16") -> None:
         raise ValueError(f"{option} on CPU needs native bf16 dot products (AVX-512 BF16 or AMX; /proc/cpuinfo "
                          "flags avx512_bf16 / amx_bf16), which this CPU lacks, so bf16 would run several times "
                          f"slower than fp32: use fp32, or set {CPU_BF16_ENV}=1 to run bf16 anyway")
+
+
+def residual_stream_dtype(compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the residual stream (what one pipeline stage sends the next) of an fp32 model run under CPU
+    autocast to ``compute_dtype``: megatron-core's bias-dropout-add adds a layer's ``compute_dtype`` output to the
+    fp32 residual, and up to 0.16 casts the residual down (``compute_dtype`` leaves the layer) while later versions
+    (0.19) cast the output up (fp32 leaves it). megatron's ``pipeline_dtype`` must match it, or the receiving
+    stage's buffer is the wrong size (gloo: ``Received data size doesn't match expected size``). Measured by
+    calling that function on one element, so it follows whatever the installed version does."""
+    from megatron.core.fusions.fused_bias_dropout import _bias_dropout_add_func
+
+    x = torch.zeros(1, dtype=compute_dtype)
+    return _bias_dropout_add_func((x, None), torch.zeros(1, dtype=torch.float32), 0.0, True).dtype
 
 
 _LINEARS_WRAPPED = False

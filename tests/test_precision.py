@@ -205,8 +205,10 @@ def test_bf16_recomputed_forward_runs_in_bf16_too(work, allow_bf16, recompute):
 
 
 def test_bf16_parallel_layouts_match_one_process(work, allow_bf16):
-    """PP=2 exchanges the bf16 residual stream between stages (the trainer sets megatron's ``pipeline_dtype`` to
-    the autocast dtype; with fp32 receive buffers the losses were silently wrong: grad norm 347 instead of 5.2) and
+    """PP=2 exchanges the residual stream between stages in the dtype megatron-core keeps it under autocast (bf16
+    up to 0.16, fp32 in 0.19: ``precision.residual_stream_dtype``; the trainer sets megatron's ``pipeline_dtype``
+    to it: with fp32 buffers for a bf16 stream on 0.16 the losses were silently wrong, grad norm 347 instead of 5.2,
+    and with bf16 buffers for an fp32 stream on 0.19 gloo stopped on the size mismatch) and
     DP=2 averages the same gradients: both equal the single-process bf16 run. TP=2 splits each product, so its bf16
     rounding differs: within the bf16 tolerance."""
     import json

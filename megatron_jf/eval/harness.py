@@ -286,14 +286,15 @@ class EvalConfig:
             raise HarnessError(f"isolation must be one of {ISOLATIONS}, got {self.isolation!r}")
         if not (self.math_cpu_s > 0):
             raise HarnessError(f"math CPU-time limit must be > 0 s, got {self.math_cpu_s!r}")
-        if self.params_dtype not in (None, "bf16", "fp16"):
-            raise HarnessError(f"params_dtype must be None, 'bf16' or 'fp16', got {self.params_dtype!r}")
-        from megatron_jf.cli import params_dtype
+        if self.params_dtype not in (None, "bf16", "fp16", "fp32"):
+            raise HarnessError(f"params_dtype must be None, 'bf16', 'fp16' or 'fp32', got {self.params_dtype!r}")
+        if self.params_dtype == "bf16":  # on a CPU without native bf16: refused before loading (imports torch)
+            from megatron_jf.cli import params_dtype
 
-        try:
-            params_dtype(self.params_dtype)  # bf16 on a CPU without native bf16: refused before loading
-        except ValueError as e:
-            raise HarnessError(str(e)) from None
+            try:
+                params_dtype(self.params_dtype)
+            except ValueError as e:
+                raise HarnessError(str(e)) from None
 
     @property
     def stem(self) -> str:

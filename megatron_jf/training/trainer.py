@@ -200,8 +200,10 @@ class Trainer:
         self.optimizer = self._build_optimizer()
         config = self.module.config
         config.variable_seq_lengths = cfg.pp > 1 and cfg.variable_seq_lengths
-        if self.autocast_dtype is not None:  # stages exchange the autocast (bf16) residual stream
-            config.pipeline_dtype = self.autocast_dtype
+        if self.autocast_dtype is not None:  # stages exchange the residual stream in the dtype megatron keeps it
+            from megatron_jf.precision import residual_stream_dtype
+
+            config.pipeline_dtype = residual_stream_dtype(self.autocast_dtype)
         config.finalize_model_grads_func = self._finalize_grads
         if self.use_mopt:
             from megatron.core.distributed import finalize_model_grads
