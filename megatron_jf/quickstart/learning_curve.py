@@ -123,9 +123,12 @@ def curve_markdown(points: list[dict], n: int) -> str:
         p1 = "-" if pt["pass@1"] is None else f"{round(pt['pass@1'] * m)}/{m} ({100 * pt['pass@1']:.1f}%)"
         lines.append(f"| {pt['label']} | {pt['samples']} | {pt['tpf']:.3f} | {p1} |")
     if points[0]["pass@1"] is not None and len(points) > 1:
+        from megatron_jf.quickstart.interpret import TARGET_PASS_DELTA
+
         d = round(points[-1]["pass@1"] * m) - round(points[0]["pass@1"] * m)
         lines += ["", f"pass@1 on {m} problems, final checkpoint vs base: {d:+d} problems "
-                      f"({'within' if abs(d) <= 2 else 'outside'} the +-2 target)."]
+                      f"({'within' if d >= -TARGET_PASS_DELTA else 'outside'} the target: at most "
+                      f"{TARGET_PASS_DELTA} below base)."]
     return "\n".join(lines) + "\n\n![learning curve](learning_curve.png)\n"
 
 

@@ -77,6 +77,8 @@ class Preset:
     w2: int = 8
     eval_block_sizes: tuple = (8, 16, 32, 64)
     timing_prompts: int = 4
+    timing_rounds: int = 3  # report: interleaved timed rounds per decoder, fastest kept (quickstart/timing.py)
+    timing_threads: int = 1  # report: torch threads of the batch-1 timing (2 on a shared 2-core CPU: 20-50x slower)
     nll_chunks: int = 64
     threads: int = 2
     # The tiny model's greedy continuations loop (a 5M-parameter model trained for minutes); filtering

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import numpy as np
 import torch
@@ -93,7 +94,8 @@ def build_report(pipe) -> dict:
         saved = os.stat(pipe.path(ck, "latest_checkpointed_iteration.txt")).st_mtime_ns
         key = {"checkpoint": ck, "checkpoint_time": saved, "prompts": prompts, "response_tokens": R,
                "decoders": list(decoders), "block_sizes": list(p.eval_block_sizes),
-               "timing_prompts": p.timing_prompts, "nll_chunks": p.nll_chunks}
+               "timing_prompts": p.timing_prompts, "timing_rounds": p.timing_rounds,
+               "timing_threads": p.timing_threads, "nll_chunks": p.nll_chunks}
         cache = out_dir / f"eval_{ck}.json"
         try:
             res = json.loads(cache.read_text())
@@ -127,12 +129,12 @@ def build_report(pipe) -> dict:
         a, b = tf_argmax[r["model"]], tf_argmax["base"]
         r["tf_agreement_with_base"] = float((a == b).float().mean()) if a is not None else float("nan")
         r["distinct4"] = distinct4(o)
-    warnings = _output_warnings(pipe, models, outputs, tok)
+    warnings, stats = _output_warnings(pipe, models, outputs, tok)
     for r in rows:
         r["output_warning"] = warnings.get(r["model"])
     summary = {"preset": p.name, "rows": rows, "tpf_by_block_size": curves, "eval_prompts": len(prompts),
-               "timing_prompts": min(p.timing_prompts, len(prompts)), "response_tokens": R,
-               "warnings": {m: w for m, w in warnings.items() if w}}
+               "timing_prompts": min(p.timing_prompts, len(prompts)), "timing_rounds": p.timing_rounds,
+               "response_tokens": R, "warnings": {m: w for m, w in warnings.items() if w}, "output_stats": stats}
     extra_md = ""
     if getattr(p, "learning_curve", False):  # TPF and pass@1 at every saved checkpoint (learning_curve.py)
         from megatron_jf.quickstart.learning_curve import curve_markdown, evaluate_curve, plot_curve
@@ -161,8 +163,10 @@ def build_report(pipe) -> dict:
 
 def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos) -> dict:
     """One model: held-out NLL and argmax, then every decoder batched over all prompts (TPF; output asserted equal
-    to greedy AR) and at batch 1 on the first ``p.timing_prompts`` prompts, decoders back to back per prompt next to
-    ``transformers`` greedy (TPS; :func:`megatron_jf.eval.speed.measure`), then the Jacobi block-size sweep.
+    to greedy AR; :func:`megatron_jf.eval.speed.measure`), then at batch 1 on the first ``p.timing_prompts`` prompts
+    next to ``transformers`` greedy, warm-up call each and interleaved rounds at ``p.timing_threads`` threads,
+    fastest round kept (TPS; :func:`megatron_jf.quickstart.timing.time_interleaved`), then the Jacobi block-size
+    sweep.
 
     Returns:
         JSON-ready ``{"rows", "curve", "outputs", "tf_argmax", "jacobi_tpf"}``.
@@ -170,9 +174,10 @@ def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos) -> dict:
     Raises:
         AssertionError: a decoder's output differs from greedy AR (a losslessness bug).
     """
-    from megatron_jf.eval.hf_baseline import hf_twin
+    from megatron_jf.eval.hf_baseline import hf_twin, time_hf_greedy_decode
     from megatron_jf.eval.speed import measure
     from megatron_jf.inference.engine import DecodeConfig, Engine
+    from megatron_jf.quickstart.timing import time_interleaved, torch_threads
 
     model = _load(ckpt)
     eng = Engine(model)
@@ -181,22 +186,48 @@ def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos) -> dict:
     kw = dict(max_new_tokens=R, eos_ids=eos, label=label)
     batched = measure(eng, prompts, decoders, batch_size=len(prompts), **kw)  # TPF and losslessness
     ref = batched.outputs
-    hf = hf_twin(model)  # transformers greedy on the same weights, same timing prompts, exactly AR's tokens
-    timed = measure(eng, prompts[: p.timing_prompts], decoders, batch_size=1, hf=hf, **kw)  # same-run TPS
     rows, curve, jacobi_tpf = [], {}, None
     for name, cfg in decoders.items():
-        b, t = batched.methods[name], timed.methods[name]
+        b = batched.methods[name]
         if cfg.decoder == "jacobi":
             jacobi_tpf = [r.tpf for r in b.results]
             curve[cfg.block_size] = b.tpf
-        rows.append({"model": label, "decoder": name, "tpf": b.tpf, "tps": t.tps, "tps_e2e": t.tps_e2e,
-                     "tokens": b.tokens, "forwards": b.forwards, "nll": nll, "lossless": True})
+        rows.append({"model": label, "decoder": name, "tpf": b.tpf, "tokens": b.tokens, "forwards": b.forwards,
+                     "nll": nll, "lossless": True})
+    # wall clock at batch 1 on the same prompts for every decoder, warm-up + interleaved rounds
+    # (megatron_jf/quickstart/timing.py): speedup is a same-run ratio
+    timing = prompts[: p.timing_prompts]
+
+    def engine_runner(cfg, prs):
+        def run():
+            t0 = time.perf_counter()
+            res = [eng.generate([pr], cfg, max_new_tokens=R, eos_ids=eos)[0] for pr in prs]
+            return sum(r.decode_s for r in res), time.perf_counter() - t0, sum(len(r.tokens) for r in res)
+        return run
+
+    runners = {name: engine_runner(cfg, timing) for name, cfg in decoders.items()}
+    warmup = {name: engine_runner(cfg, timing[:1]) for name, cfg in decoders.items()}  # first-call work untimed
+    hf = hf_twin(model)  # transformers greedy on the same weights, same timing prompts, exactly AR's tokens
     if hf is not None:
-        h = timed.methods[HF_ROW]
-        ntok = sum(len(t) for t in ref)
-        rows.append({"model": label, "decoder": HF_ROW, "tpf": 1.0, "tps": h.tps, "tps_e2e": h.tps_e2e,
-                     "tokens": ntok, "forwards": ntok, "nll": nll, "lossless": True})
-        del hf
+        def hf_runner(n_prompts):
+            def run():
+                dec_s = e2e = 0.0
+                for pr, want in zip(timing[:n_prompts], ref):
+                    d, w, toks = time_hf_greedy_decode(hf, pr, len(want))
+                    assert toks == want, f"{label}: transformers greedy differs from this project's greedy AR"
+                    dec_s, e2e = dec_s + d, e2e + w
+                return dec_s, e2e, sum(len(t) for t in ref[:n_prompts])
+            return run
+
+        runners[HF_ROW], warmup[HF_ROW] = hf_runner(len(timing)), hf_runner(1)
+        rows.append({"model": label, "decoder": HF_ROW, "tpf": 1.0, "tokens": sum(len(t) for t in ref),
+                     "forwards": sum(len(t) for t in ref), "nll": nll, "lossless": True})
+    with torch_threads(p.timing_threads):
+        timed = time_interleaved(runners, rounds=p.timing_rounds, warmup=warmup)
+    del hf
+    for r in rows:
+        t = timed[r["decoder"]]
+        r.update(tps=t["tps"], tps_e2e=t["tps_e2e"], timing_spread=t["spread"])
     for nb in p.eval_block_sizes:
         if nb not in curve:
             name = f"jacobi n={nb}"
@@ -208,22 +239,24 @@ def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos) -> dict:
             "tf_argmax": None if argmax is None else argmax.tolist()}
 
 
-def _output_warnings(pipe, models: dict, outputs: dict, tok) -> dict:
-    """``{model label: warning or None}``: degenerate completions (mostly one repeated token, or distinct-2 below
-    its threshold; :mod:`megatron_jf.eval.degenerate`) and, for JF rounds, ``pc_loss`` zero at every logged step
-    of ``{ckpt}_log.jsonl``."""
+def _output_warnings(pipe, models: dict, outputs: dict, tok) -> tuple[dict, dict]:
+    """``({model label: warning or None}, {model label: {"distinct_2", "top_token_share"}})``: degenerate
+    completions (mostly one repeated token, or distinct-2 below its threshold; :mod:`megatron_jf.eval.degenerate`)
+    and, for JF rounds, ``pc_loss`` zero at every logged step of ``{ckpt}_log.jsonl``; and the greedy outputs'
+    degeneracy statistics."""
     from megatron_jf.eval.degenerate import degeneracy, pc_loss_identically_zero
 
-    out = {}
+    out, stats = {}, {}
     for label, ck in models.items():
         parts = []
         deg = degeneracy(outputs[label], decode=tok.decode)
+        stats[label] = {"distinct_2": deg["distinct_2"], "top_token_share": deg["top_token_share"]}
         if deg["warning"]:
             parts.append(deg["warning"])
         if ck != "base" and pc_loss_identically_zero(str(pipe.path(f"{ck}_log.jsonl"))):
             parts.append("L_pc IDENTICALLY ZERO during JF training (pc_loss = 0 at every logged step)")
         out[label] = "; ".join(parts) or None
-    return out
+    return out, stats
 
 
 def _humaneval_pass1(prompt_rows, outputs, tok) -> dict:
@@ -255,12 +288,14 @@ def _markdown(s) -> str:
              "| Model | Method | Speedup | TPF | output check | TPS | held-out NLL | top-1 agree w/ base (held-out) "
              "| greedy-output agree w/ base | distinct-4 | pass@1 |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    warnings = s.get("warnings") or {}
-    if warnings:
-        lines[2:2] = [f"**WARNING ({m})**: {w}." for m, w in warnings.items()] + [""]
+    from megatron_jf.quickstart.interpret import row_check, warning_lines  # one warning line per model
+
+    warned = warning_lines(s.get("warnings"))
+    if warned:
+        lines[2:2] = warned + [""]
     for r in s["rows"]:
         p1 = "-" if r.get("pass@1") is None else f"{100 * r['pass@1']:.1f}%"
-        check = "⚠ " + r["output_warning"] if r.get("output_warning") else "ok"
+        check = row_check(r)
         lines.append(f"| {r['model']} | {r['decoder']} | {r['speedup']:.2f}x | {r['tpf']:.2f} | {check} | "
                      f"{r['tps']:.1f} | {r['nll']:.3f} | {100 * r['tf_agreement_with_base']:.1f}% | "
                      f"{100 * r['agreement_with_base']:.1f}% | {r['distinct4']:.3f} | {p1} |")
