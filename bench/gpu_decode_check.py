@@ -16,8 +16,9 @@ downloaded):
 3. an MR forward with verification size 4 (K = 1 and 2 at n = 16, full tree, and the two-pass form with one
    live branch) relative to the Jacobi forward at the same n.
 
-Every figure is a median of timed repeats (``torch.cuda.synchronize`` around each). Prints a table and, with
-``--json``, writes the numbers.
+Every figure is a median of timed repeats (``torch.cuda.synchronize`` around each), under ``torch.inference_mode``.
+Prints a table and, with ``--json``, writes the numbers. ``bash bench/gpu_check.sh`` (issue 21) is the one-window GPU
+check that also decodes with the engine; this script is the detailed decode-speed companion.
 """
 
 from __future__ import annotations
@@ -54,15 +55,9 @@ def build_random_model(shape: dict, dtype, device):
     tcfg.use_cpu_initialization = device.type != "cuda"
     from megatron.core import parallel_state as ps
 
-    # the local spec (not Transformer Engine's fused modules): the lean / static-shape inference forward reads it
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.enums import AttnMaskType
-
-    from megatron_jf.models.attention import JFCoreAttention
-
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = JFCoreAttention
-    spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.arbitrary
+    # the local spec with its own final norm (not TE's, whatever is installed): the lean / static-shape inference
+    # forward reads it, as for the models checkpointing.load_model builds
+    spec = gpt.block_spec(tcfg, gpt.layer_spec(args, "local"))
     model = gpt.JFGPTModel(config=tcfg, transformer_layer_spec=spec,
                            vocab_size=args.padded_vocab_size(ps.get_tensor_model_parallel_world_size(), divisible_by=1),
                            max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
@@ -102,6 +97,13 @@ def main(argv=None):
     a = p.parse_args(argv)
     import torch
 
+    with torch.inference_mode():  # no autograd: the KV buffers must not join a graph (timings, memory)
+        return _measure(a)
+
+
+def _measure(a):
+    import torch
+
     from megatron_jf import parallel
     from megatron_jf.inference.lean_forward import LeanForward
     from megatron_jf.inference.static_decode import StaticDecoder
@@ -119,7 +121,8 @@ def main(argv=None):
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     parallel.initialize(1, 1)
     t0 = time.perf_counter()
-    model = build_random_model(shape, dtype, device)
+    with torch.inference_mode(False):  # parameters stay normal tensors (LeanForward reads their version counters)
+        model = build_random_model(shape, dtype, device)
     wbytes = sum(x.numel() * x.element_size() for x in model.parameters())
     print(f"model: {'Qwen2.5-7B shape' if cuda else 'tiny (dry run)'}, {wbytes / 1e9:.2f} GB of {dtype} weights on "
           f"{device} ({torch.cuda.get_device_name() if cuda else 'cpu'}), built in {time.perf_counter() - t0:.1f} s")

@@ -425,10 +425,45 @@ def load_checkpoint(ckpt_dir: str, model, *, iteration: int | None = None,
                              f"{getattr(m.model_args, field)!r}: checkpoint from another architecture")
     prefix = meta["model_key_prefix"]
     state = {"model": m.sharded_state_dict(prefix=prefix)}
+    absent = {k[len(prefix):] for k in drop_absent_extra_state(state["model"], meta["path"])}
     state.update(sharded_extra or {})
     loaded = dist_checkpointing.load(state, meta["path"])
-    m.load_state_dict({k[len(prefix):]: v for k, v in loaded["model"].items()}, strict=strict)
+    missing = m.load_state_dict({k[len(prefix):]: v for k, v in loaded["model"].items()},
+                                strict=strict and not absent).missing_keys
+    if strict and set(missing) - absent:
+        raise RuntimeError(f"checkpoint {meta['path']} lacks model keys {sorted(set(missing) - absent)[:5]}")
     return {"meta": meta, "extra": {k: v for k, v in loaded.items() if k != "model"}}
+
+
+def drop_absent_extra_state(sharded: dict, path: str) -> list[str]:
+    """Remove from a model's sharded state dict the ``_extra_state`` objects the checkpoint at ``path`` does not hold.
+
+    Transformer Engine modules (``TENorm``, the TE linear layers) save an ``_extra_state`` (FP8 scaling metadata) that a
+    checkpoint written without TE -- on CPU, in CI, by ``tools/convert_hf.py`` on a CPU node -- lacks, and megatron's
+    ``torch_dist`` load fails on any requested key the checkpoint does not have (``Missing key in checkpoint
+    state_dict: decoder.final_layernorm._extra_state/shard_0_1``). Such a module starts from its default extra state,
+    as a freshly built one does. The reverse (a TE checkpoint loaded without TE) needs nothing: keys the model does not
+    request are not read.
+
+    Args:
+        sharded: ``{state-dict key: ShardedTensor | ShardedObject}`` (one level, as ``GPTModel.sharded_state_dict``);
+            changed in place.
+        path: the iteration directory.
+
+    Returns:
+        The state-dict keys removed.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    extra = [k for k, v in sharded.items() if isinstance(v, ShardedObject) and v.key.endswith("._extra_state")]
+    if not extra:
+        return []
+    held = {getattr(v, "key", k) for k, v in load_sharded_metadata(path).items()}
+    absent = [k for k in extra if sharded[k].key not in held]
+    for k in absent:
+        del sharded[k]
+    return absent
 
 
 def stored_dtype(ckpt_dir: str, iteration: int | None = None) -> torch.dtype:

@@ -8,8 +8,7 @@ it exists. Measured notes: ``shared/research/mcore_cpu.md`` (probe of 0.16.1 on 
 megatron-core versions: 0.16.1 (the last release for Python 3.11) through 0.19.x (Python 3.12) are tested in CI
 (README "Tests and CI"). Every shim below applies unchanged to both ends: each patched name
 (``torch.cuda.current_device``, ``transformer.utils.get_default_causal_mask``, the ``torch`` global of
-``pipeline_parallel.schedules``, ``transformer.torch_norm.WrappedTorchNorm``,
-``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``) exists with the same meaning in
+``pipeline_parallel.schedules``, ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``) exists with the same meaning in
 0.16.1 and 0.19.2. What differs between them and is handled here:
 
 * 0.17+ warns at import that ``absl`` is not installed (``hyper_comm_grid``) and falls back to ``logging``:
@@ -24,13 +23,15 @@ megatron-core versions: 0.16.1 (the last release for Python 3.11) through 0.19.x
 Switches (all automatic, overridable by environment variables for experiments):
 
 * ``HAVE_CUDA``: ``torch.cuda.is_available()``.
-* ``HAVE_TE``: Transformer Engine importable *and* CUDA present. A broken TE install makes
-  ``import megatron.core`` crash, so never install TE on CPU machines (it is the ``[gpu]`` extra).
+* ``HAVE_TE``: Transformer Engine importable *and* CUDA present, unless ``MEGATRON_JF_DISABLE_TE=1``
+  (:class:`TESwitches`). A broken TE install makes ``import megatron.core`` crash, so never install TE on CPU
+  machines (on GPU it comes with the NGC container).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import os
 import types
@@ -46,8 +47,33 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine and Apex|Apex i
 HAVE_CUDA: bool = torch.cuda.is_available()
 
 
+@dataclasses.dataclass(frozen=True)
+class TESwitches:
+    """The Transformer Engine code-path switches, with their environment overrides (read here and nowhere else).
+
+    Attributes:
+        disable: behave as if TE were absent (``MEGATRON_JF_DISABLE_TE=1``): the local layer spec under ``auto``, and
+            the packed attention path on per-segment SDPA instead of TE's fused THD attention.
+        arbitrary_mask: run the masked attention mode (NC-IC / clean-context masks on the dense path) through TE's
+            arbitrary-mask attention instead of torch SDPA (``MEGATRON_JF_TE_ARBITRARY_MASK=1``; TE serves it only with
+            its unfused backend, ``[b, h, L, L]`` scores: for comparison). Also
+            :class:`~megatron_jf.models.attention.JFCoreAttention`'s ``te_arbitrary_mask`` argument.
+    """
+
+    disable: bool = False
+    arbitrary_mask: bool = False
+
+    ENV = {"disable": "MEGATRON_JF_DISABLE_TE", "arbitrary_mask": "MEGATRON_JF_TE_ARBITRARY_MASK"}
+
+    @classmethod
+    def from_env(cls, environ=None) -> "TESwitches":
+        """The switches as the environment sets them (a variable counts when it is ``1``)."""
+        env = os.environ if environ is None else environ
+        return cls(**{field: env.get(var) == "1" for field, var in cls.ENV.items()})
+
+
 def _have_te() -> bool:
-    if not HAVE_CUDA or os.environ.get("MEGATRON_JF_DISABLE_TE") == "1":
+    if not HAVE_CUDA or TESwitches.from_env().disable:
         return False
     if importlib.util.find_spec("transformer_engine") is None:
         return False
@@ -127,12 +153,8 @@ def apply_cpu_shims() -> None:
     5. ``Tensor.cuda()`` returns the tensor unchanged: tied embeddings under pipeline parallelism
        all-reduce ``weight.data.cuda()`` between the first and last stage. Without CUDA every such
        call would fail, so the identity is the only meaningful behaviour.
-    6. Sequence parallelism: without Apex/TE the layer specs use ``WrappedTorchNorm`` (torch
-       ``RMSNorm``), which asserts ``not config.sequence_parallel`` although a per-token norm is
-       indifferent to the sequence split. The shim builds the same torch norm and marks its weight
-       ``sequence_parallel = True``, exactly as Apex's ``FusedLayerNorm`` and TE's norms do, so the
-       gradient of each rank's sequence shard is summed over the TP group after the backward (megatron's
-       ``finalize_model_grads``, or the trainer's CPU path).
+    6. (none: sequence parallelism with the local spec used to need a patch of megatron's ``WrappedTorchNorm``
+       here, CPU only; the local spec now builds :class:`megatron_jf.models.norm.RMSNorm` on every machine.)
     7. Activation recomputation (``--recompute-granularity``): megatron's ``CheckpointFunction`` saves and
        restores the CUDA RNG state around the recomputed forward. Without CUDA there is none: the getter
        returns None and the setter does nothing (the CPU RNG state is still saved and restored).
@@ -162,24 +184,6 @@ def apply_cpu_shims() -> None:
 
     schedules.torch = _CudaToCpuTorch()
     torch.Tensor.cuda = lambda self, *a, **k: self  # (5)
-
-    from megatron.core.transformer import torch_norm  # (6)
-
-    orig_new = torch_norm.WrappedTorchNorm.__new__
-
-    def _norm_new(cls, config, hidden_size, eps=1e-5, **kwargs):
-        if not config.sequence_parallel:
-            return orig_new(cls, config, hidden_size, eps, **kwargs)
-        config.sequence_parallel = False  # only to pass the assertion; restored at once
-        try:
-            norm = orig_new(cls, config, hidden_size, eps, **kwargs)
-        finally:
-            config.sequence_parallel = True
-        for p in norm.parameters():
-            p.sequence_parallel = True
-        return norm
-
-    torch_norm.WrappedTorchNorm.__new__ = _norm_new
 
     from megatron.core.tensor_parallel import random as tp_random  # (7)
 

@@ -212,6 +212,50 @@ def test_old_layout_checkpoint_still_loads(tmp_path, mp1):
         assert torch.equal(ours[k], src[k]), k
 
 
+class _NormWithExtraState(torch.nn.RMSNorm):
+    """A final norm that saves an ``_extra_state`` next to its weight, as Transformer Engine's ``TENorm`` does (TE
+    itself cannot run on CPU); megatron-core shards it as TE's, a ``ShardedObject`` ``decoder.final_layernorm.
+    _extra_state``."""
+
+    def get_extra_state(self):
+        return torch.tensor([21], dtype=torch.uint8)
+
+    def set_extra_state(self, state):
+        self.loaded_extra_state = state
+
+
+def _with_te_norm(m):
+    old = m.decoder.final_layernorm
+    norm = _NormWithExtraState(old.weight.shape[0], eps=old.eps)
+    with torch.no_grad():
+        norm.weight.copy_(old.weight)
+    m.decoder.final_layernorm = norm
+    return m
+
+
+@pytest.mark.parametrize("direction", ["cpu_to_te", "te_to_cpu"])
+def test_checkpoints_load_with_and_without_te_extra_state(tmp_path, mp1, direction):
+    """Issue 21 item 3: a checkpoint written without TE (no ``decoder.final_layernorm._extra_state``) loads into a
+    model whose sharded state dict has that key (before: ``Missing key in checkpoint state_dict``), and a checkpoint
+    that has it loads into a model without it; the weights arrive exactly, strict loading included."""
+    from megatron_jf import checkpointing as C
+    from megatron_jf.testing import tiny_hf_model
+
+    hf, args = _tiny()
+    other = tiny_hf_model("qwen2", seed=6)
+    src, dst = _jf_model(hf, args), _jf_model(other, args)
+    _with_te_norm(dst if direction == "cpu_to_te" else src)
+    key = "decoder.final_layernorm._extra_state"
+    assert (key in dst.sharded_state_dict()) == (direction == "cpu_to_te") != (key in src.sharded_state_dict())
+    C.save_checkpoint(str(tmp_path / "ck"), 1, src)
+    C.load_checkpoint(str(tmp_path / "ck"), dst)  # strict
+    got, want = _params(dst), _params(src)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    if direction == "te_to_cpu":  # the inference tools' path too
+        model, _, _ = C.load_model(str(tmp_path / "ck"))
+        assert all(torch.equal(_params(model)[k], want[k]) for k in want)
+
+
 def test_unloadable_checkpoints_are_named(tmp_path, mp1):
     from megatron_jf import checkpointing as C
 

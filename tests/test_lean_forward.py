@@ -174,3 +174,47 @@ def test_inference_models_use_the_spec_the_lean_forward_runs_on(mp1, monkeypatch
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
     assert layer_spec(args, "local").submodules.self_attention.submodules.linear_qkv is ColumnParallelLinear
+
+
+def test_local_spec_norms_do_not_follow_what_megatron_finds_installed(mp1, monkeypatch):
+    """Issue 21 items 2 and 5. megatron-core picks a block's final norm by what is installed (``TENorm`` with TE,
+    apex's LayerNorm-only ``FusedLayerNorm`` with apex) and its torch norm asserts ``not sequence_parallel`` (our CPU
+    shim hid that). Here megatron believes something else is installed and its torch norm refuses SP, as on an NGC
+    box: the model inference tools build must still have torch RMSNorms the lean forward runs on, and each norm of
+    the local spec must build under sequence parallelism with its weight marked for the TP gradient sum."""
+    from megatron.core.transformer import torch_norm, transformer_block
+
+    from megatron_jf.inference.lean_forward import LeanForward, supports
+    from megatron_jf.models.gpt import build_model, forward_logits, inference_transformer_impl, layer_spec
+    from megatron_jf.models.gpt import transformer_config
+    from megatron_jf.models.hf_config import ModelArgs
+    from megatron_jf.testing import tiny_hf_model
+
+    class InstalledNorm:  # stands for megatron's pick by installation; building it is the bug
+        def __new__(cls, *a, **k):
+            raise AssertionError("the norm megatron-core picks by what is installed was built")
+
+    def no_sp(cls, config, *a, **k):  # megatron's WrappedTorchNorm on CUDA (no CPU shim)
+        if config.sequence_parallel:
+            raise AssertionError("sequence parallel not supported by torch LayerNorm")
+        return torch.nn.RMSNorm(a[0] if a else k["hidden_size"])
+
+    monkeypatch.setattr(transformer_block, "LayerNormImpl", InstalledNorm)
+    monkeypatch.setattr(torch_norm.WrappedTorchNorm, "__new__", no_sp)
+    monkeypatch.delenv("MEGATRON_JF_LEAN_FORWARD", raising=False)
+    args = ModelArgs.from_hf_dict(tiny_hf_model("qwen2", seed=0).config.to_dict())
+    m = build_model(args, transformer_impl=inference_transformer_impl()).eval()
+    assert isinstance(m.decoder.final_layernorm, torch.nn.RMSNorm) and supports(m)
+    toks = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(7)[None]
+    torch.testing.assert_close(forward_logits(m, toks, pos, impl="lean"), forward_logits(m, toks, pos, impl="megatron"),
+                               rtol=1e-5, atol=1e-5)
+    LeanForward(m)  # impl="lean"/"static" and the GPU decode check require it
+
+    cfg = transformer_config(args)
+    cfg.sequence_parallel = True  # as at TP > 1 (the config refuses SP at TP = 1; the norms only read the flag)
+    spec = layer_spec(args, "local")
+    for build in (spec.submodules.input_layernorm, spec.submodules.pre_mlp_layernorm, type(m.decoder.final_layernorm)):
+        norm = build(config=cfg, hidden_size=args.hidden_size, eps=args.rms_norm_eps)
+        assert isinstance(norm, torch.nn.RMSNorm) and norm.weight.sequence_parallel is True
+        assert norm.eps == args.rms_norm_eps and norm.weight.dtype == cfg.params_dtype

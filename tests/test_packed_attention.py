@@ -430,3 +430,23 @@ def test_packed_path_parallel_layouts_match_single_process_two_stream(mp1, tmp_p
         loss, gn = ref["dense_ncic_ref" if r["layout"].endswith("ncic") else "two_stream_kl"]
         np.testing.assert_allclose(r["loss"], loss, rtol=2e-5, atol=1e-6, err_msg=r["layout"])
         np.testing.assert_allclose(r["grad_norm"], gn, rtol=2e-4, err_msg=r["layout"])
+
+
+def test_te_switches_come_from_one_place(mp1, monkeypatch):
+    """The TE code-path switches: environment overrides read by ``platform.TESwitches`` only; the core attention's
+    ``te_arbitrary_mask`` argument wins over the environment."""
+    from megatron_jf import platform
+    from megatron_jf.models.attention import JFCoreAttention
+    from megatron_jf.models.gpt import build_model
+    from megatron_jf.models.hf_config import ModelArgs
+    from megatron_jf.testing import tiny_hf_config
+
+    assert platform.TESwitches.from_env({}) == platform.TESwitches(False, False)
+    assert platform.TESwitches.from_env({"MEGATRON_JF_DISABLE_TE": "1", "MEGATRON_JF_TE_ARBITRARY_MASK": "0"}) == \
+        platform.TESwitches(disable=True, arbitrary_mask=False)
+    monkeypatch.setenv("MEGATRON_JF_TE_ARBITRARY_MASK", "1")
+    core = next(m for m in build_model(ModelArgs.from_hf_dict(tiny_hf_config("qwen2").to_dict())).modules()
+                if isinstance(m, JFCoreAttention))
+    assert core.te_arbitrary_mask is True
+    again = JFCoreAttention(core.config, 1, None, None, te_arbitrary_mask=False)
+    assert again.te_arbitrary_mask is False

@@ -222,6 +222,21 @@ def _trainer_from_scratch(cfg):
                    pretrain_jf.train_valid_datasets_provider)
 
 
+def test_training_dtype_reaches_the_pipeline_config_when_the_build_dtype_differs(work, monkeypatch):
+    """Issue 21 item 7. On GPU the model provider builds in bf16 (``platform.default_dtype``); a run in fp32
+    (``--precision fp32``, the torch AdamW path) casts the weights, and megatron's pipeline receive buffers
+    (``config.pipeline_dtype``) must follow, or PP > 1 receives fp32 activations into bf16 buffers. Here the
+    provider sees the GPU's default dtype on CPU."""
+    from megatron_jf import platform
+
+    monkeypatch.setattr(platform, "default_dtype", lambda: torch.bfloat16)
+    tr = _cli_trainer(["--hf-config", os.path.join(work, "hf"), "--data", os.path.join(work, "train"),
+                       "--block-size", "4", "--train-steps", "1", "--precision", "fp32", "--no-progress"])
+    c = tr.module.config
+    assert {p.dtype for p in tr.module.parameters()} == {torch.float32}
+    assert (c.pipeline_dtype, c.params_dtype, c.bf16) == (torch.float32, torch.float32, False)
+
+
 def test_load_initialises_weights_and_rejects_other_architectures(work, killed_and_resumed, tmp_path):
     save = killed_and_resumed[0]
     base = ["--data", os.path.join(work, "train"), "--block-size", "4", "--train-steps", "1", "--threads", "1",

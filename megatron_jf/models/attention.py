@@ -34,7 +34,8 @@ SDPA by default: on CUDA, SDPA with a boolean mask takes its memory-efficient ke
 activations), whereas TE's arbitrary-mask attention (``AttnMaskType.arbitrary``) is served only by TE's
 *unfused* backend (TE's backend selection disables FlashAttention and FusedAttention for arbitrary
 masks), which materialises ``[b, h, L, L]`` scores. TE's arbitrary-mask path is there for comparison:
-``MEGATRON_JF_TE_ARBITRARY_MASK=1`` (or ``module.te_arbitrary_mask = True``) selects it. The causal and
+``MEGATRON_JF_TE_ARBITRARY_MASK=1`` (or the ``te_arbitrary_mask`` argument; :class:`megatron_jf.platform.TESwitches`)
+selects it. The causal and
 cached modes always use SDPA (FlashAttention inside SDPA on GPU). The TE module holds no parameters and
 is kept out of the module tree, so checkpoints are identical with and without TE.
 
@@ -54,8 +55,6 @@ from torch.nn.attention.bias import causal_lower_right
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
-
-import os
 
 from megatron_jf import platform
 
@@ -82,14 +81,15 @@ class JFCoreAttention(MegatronModule):
     """SDPA core attention with causal / explicit-mask / KV-cache modes (see module docstring).
 
     Constructor arguments follow megatron-core's ``DotProductAttention`` so the class drops into a
-    layer spec. Dropout is not supported (Qwen2.5 and Llama use none).
+    layer spec, plus ``te_arbitrary_mask`` (see the module docstring; None: the environment's
+    :class:`~megatron_jf.platform.TESwitches`). Dropout is not supported (Qwen2.5 and Llama use none).
 
     Raises:
         ValueError: at construction, for attention dropout > 0 or context parallelism.
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, te_arbitrary_mask: bool | None = None):
         super().__init__(config=config)
         if (attention_dropout if attention_dropout is not None else config.attention_dropout) > 0:
             raise ValueError("JFCoreAttention does not implement attention dropout")
@@ -103,8 +103,10 @@ class JFCoreAttention(MegatronModule):
         self.cache_slot = -1
         #: None = automatic (TE when platform.HAVE_TE and the inputs are on CUDA); False = always SDPA.
         self.use_te: bool | None = None
-        #: Masked mode through TE's arbitrary-mask (unfused) attention instead of SDPA (see module docstring).
-        self.te_arbitrary_mask: bool = os.environ.get("MEGATRON_JF_TE_ARBITRARY_MASK") == "1"
+        #: Masked mode through TE's arbitrary-mask (unfused) attention instead of SDPA (see module docstring);
+        #: None: ``MEGATRON_JF_TE_ARBITRARY_MASK`` (:class:`megatron_jf.platform.TESwitches`).
+        self.te_arbitrary_mask: bool = (platform.TESwitches.from_env().arbitrary_mask if te_arbitrary_mask is None
+                                        else te_arbitrary_mask)
 
     def _te_enabled(self, query: torch.Tensor) -> bool:
         if self.use_te is False or not platform.HAVE_TE or not query.is_cuda:

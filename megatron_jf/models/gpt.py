@@ -32,6 +32,7 @@ from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 
 from megatron_jf.models.attention import JFCoreAttention  # noqa: E402
 from megatron_jf.models.kv_cache import KVCache  # noqa: E402
+from megatron_jf.models.norm import RMSNorm  # noqa: E402
 
 
 class JFGPTModel(GPTModel):
@@ -65,8 +66,8 @@ TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 
 
 def layer_spec(args: ModelArgs, transformer_impl: str = "auto"):
-    """The transformer-layer ``ModuleSpec``: megatron's local spec with RMSNorm, or megatron's Transformer Engine
-    spec (fused norm + projections), with our core attention in either.
+    """The transformer-layer ``ModuleSpec``: megatron's local spec with our :class:`~megatron_jf.models.norm.RMSNorm`,
+    or megatron's Transformer Engine spec (fused norm + projections), with our core attention in either.
 
     Args:
         transformer_impl: ``local``, ``transformer_engine`` or ``auto`` (TE when it and CUDA are present), as
@@ -86,9 +87,29 @@ def layer_spec(args: ModelArgs, transformer_impl: str = "auto"):
         spec = get_gpt_layer_with_transformer_engine_spec()
     else:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec.submodules.input_layernorm = RMSNorm  # not megatron's pick by what is installed (models/norm.py)
+        spec.submodules.pre_mlp_layernorm = RMSNorm
     spec.submodules.self_attention.submodules.core_attention = JFCoreAttention
     spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.arbitrary
     return spec
+
+
+def is_local_spec(spec) -> bool:
+    """True for :func:`layer_spec`'s local spec (its norms are :class:`~megatron_jf.models.norm.RMSNorm`)."""
+    return spec.submodules.input_layernorm is RMSNorm
+
+
+def block_spec(config: TransformerConfig, spec):
+    """What ``GPTModel`` gets as its ``transformer_layer_spec``: the TE layer spec as it is (megatron adds ``TENorm``
+    as the final norm), or for the local spec a ``TransformerBlockSubmodules`` of this stage's layers whose final norm
+    is :class:`~megatron_jf.models.norm.RMSNorm` -- given a bare layer spec, megatron-core would pick the final norm by
+    what is installed (``TENorm`` with TE, apex's LayerNorm-only ``FusedLayerNorm`` with apex), so the lean inference
+    forward and sequence parallelism would not get the local norm on GPU machines."""
+    if not is_local_spec(spec):
+        return spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=RMSNorm)
 
 
 def inference_transformer_impl() -> str:
@@ -170,7 +191,7 @@ def build_model(args: ModelArgs, *, params_dtype: torch.dtype | None = None, seq
                                 recompute=recompute)
     model = JFGPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(args, transformer_impl),
+        transformer_layer_spec=block_spec(config, layer_spec(args, transformer_impl)),
         vocab_size=args.padded_vocab_size(tp, divisible_by=1),
         max_sequence_length=args.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
@@ -182,6 +203,19 @@ def build_model(args: ModelArgs, *, params_dtype: torch.dtype | None = None, seq
     )
     finish_model(model, args)
     return model.to(device or platform.default_device())
+
+
+def set_params_dtype(model, dtype: torch.dtype):
+    """Cast ``model``'s parameters to ``dtype`` and make its ``TransformerConfig`` say so: ``params_dtype``, ``bf16`` /
+    ``fp16`` and ``pipeline_dtype`` -- the dtype megatron's pipeline schedules allocate their receive buffers in, so a
+    model built in bf16 (the GPU default) and trained in fp32 (``--precision fp32``, the torch AdamW path) at PP > 1
+    would otherwise receive fp32 activations into bf16 buffers. Returns the model (cast in place, as ``Module.to``)."""
+    if any(p.dtype != dtype for p in model.parameters()):
+        model = model.to(dtype)
+    cfg = unwrap(model).config
+    cfg.params_dtype = cfg.pipeline_dtype = dtype
+    cfg.bf16, cfg.fp16 = dtype == torch.bfloat16, dtype == torch.float16
+    return model
 
 
 def finish_model(model, args: ModelArgs) -> None:

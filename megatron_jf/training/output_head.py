@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from megatron_jf.training.losses import DEFAULT_LOSS_CHUNK, LossConfig, jf_head_loss
 
-__all__ = ["loss_row_index", "output_weight", "select_rows", "forward_loss_rows", "head_loss"]
+__all__ = ["loss_row_index", "output_weight", "select_rows", "run_forward_pre_hooks", "forward_loss_rows", "head_loss"]
 
 
 def loss_row_index(batch, *, with_teacher: bool = True) -> torch.Tensor:
@@ -113,6 +113,24 @@ def select_rows(hidden: torch.Tensor, index: torch.Tensor, seq_len: int) -> torc
     return _SumOverTP.apply(rows, ps.get_tensor_model_parallel_group())
 
 
+def run_forward_pre_hooks(module: torch.nn.Module) -> None:
+    """Run the forward pre-hooks of ``module`` as calling it would, without calling it.
+
+    The loss-row forward never calls the output layer, but :func:`head_loss` reads its weight. Hooks on the output
+    layer must still run: with ``--use-distributed-optimizer --overlap-param-gather`` megatron-core's DDP gathers the
+    updated parameters of each bucket in a forward pre-hook of the modules using them (``finish_param_sync``). An
+    untied output layer (Qwen2.5-7B) sits in a bucket of its own, so without its hook step 1 read a weight still being
+    gathered and step 2 stopped on megatron's ``assert self.param_gather_handle is None``. Hooks that return a value
+    (input rewriting) have nothing to rewrite here; their return is ignored.
+    """
+    kw_hooks = getattr(module, "_forward_pre_hooks_with_kwargs", {})
+    for hook_id, hook in list(module._forward_pre_hooks.items()):
+        if hook_id in kw_hooks:
+            hook(module, (), {})
+        else:
+            hook(module, ())
+
+
 def forward_loss_rows(model, batch, *, with_teacher: bool = True) -> torch.Tensor:
     """Forward ``batch`` through ``model`` and return, on the last pipeline stage, the final-norm hidden
     states of its loss rows ``[N, h]`` (:func:`loss_row_index` order, identical on every TP rank); other
@@ -130,6 +148,8 @@ def forward_loss_rows(model, batch, *, with_teacher: bool = True) -> torch.Tenso
     def postprocess(hidden_states, **_kw):
         # megatron-core's GPTModel.forward ends with self._postprocess(hidden_states=..., ...): the output
         # layer (and MTP, which we do not use). For this one forward it selects the loss rows instead.
+        if m.output_layer is not None:
+            run_forward_pre_hooks(m.output_layer)  # the fused loss reads its weight as if it had been called
         return select_rows(hidden_states, index, S)
 
     m._postprocess = postprocess  # instance attribute: shadows GPTModel._postprocess for this forward only

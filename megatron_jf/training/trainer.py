@@ -138,7 +138,7 @@ class Trainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from megatron_jf import checkpointing
-        from megatron_jf.models.gpt import unwrap
+        from megatron_jf.models.gpt import set_params_dtype, unwrap
 
         self.cfg = cfg.validate()
         if cfg.threads:
@@ -186,8 +186,7 @@ class Trainer:
         if got != cfg.recompute_kwargs():
             raise ValueError(f"the model provider built a model with {got}, not the requested "
                              f"{cfg.recompute_kwargs()} (pass cfg.recompute_kwargs() to build_model)")
-        if next(model.parameters()).dtype != self.dtype:
-            model = model.to(self.dtype)
+        model = set_params_dtype(model, self.dtype)  # parameters and the config's dtypes (PP receive buffers)
         self.module = unwrap(model)
         self.seq_length = effective_seq_length(cfg, self.model_args.max_position_embeddings)
         self.rows_per_micro = cfg.micro_batch_size * (2 if cfg.objective == "jf" and cfg.attention_path == "two_stream"

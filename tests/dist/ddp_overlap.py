@@ -8,7 +8,6 @@ Prints ``RESULT {"flags", "rank", "rel", "local_rel", "buckets", "overlap"}`` (J
 ``rel`` = max relative difference of the averaged gradients from the reference, per tensor; ``local_rel`` the
 same for this rank's own (unreduced) gradient, so a missing reduction would show.
 """
-import json
 import os
 import sys
 
@@ -42,7 +41,7 @@ def main():
     from megatron_jf import parallel
     from megatron_jf.training.config import parse_config
     from megatron_jf.training.optim import megatron_ddp_config
-    from train_fixtures import tiny_mcore_model
+    from train_fixtures import print_results, tiny_mcore_model
 
     parallel.initialize(1, 1)
     rank = dist.get_rank()
@@ -83,11 +82,7 @@ def main():
         local_rel = max(float((local[n] - ref[n]).abs().max() / ref[n].abs().max().clamp_min(1e-30)) for n in ref)
         rec = {"flags": " ".join(flags), "rank": rank, "rel": rel, "buckets": buckets, "local_rel": local_rel,
                "overlap": ddp.ddp_config.overlap_grad_reduce}
-        recs = [None] * dist.get_world_size()
-        dist.all_gather_object(recs, rec)  # one writer: lines of two ranks could interleave
-        if rank == 0:
-            for r in recs:
-                print("RESULT " + json.dumps(r), flush=True)
+        print_results(rec)
     parallel.destroy()
 
 

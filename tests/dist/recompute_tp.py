@@ -5,7 +5,6 @@ Prints ``RESULT {"config", "mode", "rank", "loss", "ref_loss", "grad_rel", "peak
 rank, from rank 0: ``grad_rel`` is the largest relative difference of this rank's gradient shards from the run without
 recomputation (max |g - g_ref| / max |g_ref| per tensor); ``peak`` the peak saved activation bytes.
 """
-import json
 import os
 import sys
 from functools import partial
@@ -19,7 +18,8 @@ def main():
     import pretrain_jf
     from megatron_jf import parallel
     from megatron_jf.training.trainer import Trainer
-    from train_fixtures import PARALLEL_CONFIGS, RECOMPUTE_MODES, hf_weights_provider, measured_step, parallel_config
+    from train_fixtures import (PARALLEL_CONFIGS, RECOMPUTE_MODES, hf_weights_provider, measured_step,
+                                parallel_config, print_results)
 
     work = sys.argv[1]
     for name in PARALLEL_CONFIGS:
@@ -37,11 +37,7 @@ def main():
             assert grads.keys() == ref[1].keys()
             rec = {"config": name, "mode": mode, "rank": dist.get_rank(), "loss": m["loss"], "ref_loss": ref[0],
                    "grad_rel": rel, "peak": peak, "ref_peak": ref[2]}
-            recs = [None] * dist.get_world_size()
-            dist.all_gather_object(recs, rec)  # one writer: lines of two ranks could interleave
-            if dist.get_rank() == 0:
-                for r in recs:
-                    print("RESULT " + json.dumps(r), flush=True)
+            print_results(rec)
     parallel.destroy()
 
 

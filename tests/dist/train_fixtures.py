@@ -180,3 +180,17 @@ def measured_step(trainer):
         m = trainer.train_step()
     grads = {n: p.grad.detach().clone() for n, p in trainer.module.named_parameters() if p.grad is not None}
     return m, grads, meter.peak
+
+
+def print_results(rec: dict) -> None:
+    """Print ``RESULT <json>`` for every rank's ``rec`` from rank 0 (collective: every rank calls it; one writer, so
+    the lines of two ranks cannot interleave)."""
+    import json
+
+    import torch.distributed as dist
+
+    recs = [None] * dist.get_world_size()
+    dist.all_gather_object(recs, rec)
+    if dist.get_rank() == 0:
+        for r in recs:
+            print("RESULT " + json.dumps(r), flush=True)
