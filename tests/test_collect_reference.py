@@ -1,7 +1,7 @@
 """This project's trajectory collector (megatron_jf.data.collect on the engine) against the independent reference of
 tests/trajectory_reference.py (block-wise Jacobi verified by ``transformers``): the same records on tiny fp32 models,
 any difference a counted near-tie. The vLLM collector is checked against the same reference, on the same models and
-prompts, in the vLLM environment (tests/vllm/test_collect_vllm.py): together, the two collectors write the same data.
+prompts, in the vLLM environment (tests/test_vllm_collect.py): together, the two collectors write the same data.
 """
 
 import os
@@ -59,3 +59,26 @@ def test_engine_collector_equals_transformers_reference(name, mp1, tmp_path):
     assert not cmp.different, cmp.summary()
     assert len(cmp.equal) >= len(refs) - 1, cmp.summary()
     check_coverage(name, records)
+
+def test_vllm_engine_bad_input_is_named(tmp_path, capsys):
+    """``--engine vllm`` reads Hugging Face directories: a megatron checkpoint, a folder without config.json and
+    ``--tp 2`` stop with one line naming the problem (no vLLM needed to get there)."""
+    from tests.test_collect import _tool, _write_jsonl
+
+    prompts = _write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt_ids": [5, 6, 7]}])
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("10")
+    (tmp_path / "empty").mkdir()
+    base = ["--engine", "vllm", "--prompts", prompts, "--out", str(tmp_path / "out")]
+    for load, extra, want in ((ckpt, [], "is a megatron checkpoint; --engine vllm reads Hugging Face models: export "
+                               f"it first with python tools/convert_hf.py mcore-to-hf --load {ckpt}"),
+                              (tmp_path / "empty", [], "is not a Hugging Face model directory (no config.json)"),
+                              (tmp_path / "nowhere", [], "model directory not found")):
+        with pytest.raises(SystemExit) as e:
+            _tool().main(base + ["--load", str(load)] + extra)
+        assert want in str(e.value), str(e.value)
+    with pytest.raises(SystemExit) as e:
+        _tool().main(base + ["--load", str(ckpt), "--tp", "2"])
+    assert e.value.code == 2 and "--engine vllm runs one in-process vLLM worker: --tp must be 1" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -4,7 +4,7 @@ one prompt at a time, and the comparison of collected records with it, near-ties
 
 Runs in every environment (``transformers`` and torch only; no megatron-core, no vLLM): the primary environment checks
 this project's collector against it (``tests/test_collect_reference.py``), the vLLM environment checks the vLLM
-collector against it (``tests/vllm/test_collect_vllm.py``), so the two collectors are each equal to the same
+collector against it (``tests/test_vllm_collect.py``), so the two collectors are each equal to the same
 reference.
 """
 
