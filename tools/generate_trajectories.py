@@ -370,14 +370,18 @@ def run_vllm(args) -> dict:
     _announce(args, specs, remaining, info, 1)
     stats, n_long, collector = C.CollectStats(), 0, None
     if remaining:
-        kv = int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None
-        collector = V.VLLMCollector(args.load, block_size=cfg.block_size, draft_init=cfg.draft_init, dtype=dtype,
-                                    max_num_seqs=args.batch_size, kv_cache_bytes=kv, enforce_eager=args.enforce_eager)
-        toks = C.tokenize_prompts(remaining, tokenizer, collector.vocab_size)
-        fit, long = _fit_prompts(args, cfg, toks, collector.max_context)
+        max_context = V.context_window(hf_config) - cfg.block_size - 1  # room for the last draft (VLLMCollector)
+        toks = C.tokenize_prompts(remaining, tokenizer, margs.vocab_size)
+        fit, long = _fit_prompts(args, cfg, toks, max_context)
         n_long = len(long)
+        kv = int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None
+        need = max((len(p.ids) for p in fit), default=1) + cfg.max_new_tokens + cfg.block_size + 1
+        collector = V.VLLMCollector(args.load, block_size=cfg.block_size, draft_init=cfg.draft_init, dtype=dtype,
+                                    max_num_seqs=args.batch_size, max_model_len=min(need, max_context + cfg.block_size
+                                                                                   + 1),
+                                    kv_cache_bytes=kv, enforce_eager=args.enforce_eager)
         crash = int(os.environ[CRASH_ENV]) if os.environ.get(CRASH_ENV) else None
-        writer, ledger = _writer_and_ledger(args, cfg, out, 0, info["shards"], long, collector.max_context)
+        writer, ledger = _writer_and_ledger(args, cfg, out, 0, info["shards"], long, max_context)
         bar, on_batch = _progress(args, len(fit), "collect (vLLM)")
         try:
             with writer:

@@ -50,7 +50,8 @@ from megatron_jf.vllm_plugin.methods import ADDITIONAL_CONFIG_KEY
 from megatron_jf.vllm_plugin.proposer import JacobiForcingProposer
 
 __all__ = ["PROPOSER_PATH", "TrajectoryState", "CollectorPolicy", "TrajectoryProposer", "JacobiResult",
-           "VLLMCollector", "check_hf_model_dir", "model_args", "has_tokenizer", "weights_fingerprint",
+           "VLLMCollector", "check_hf_model_dir", "model_args", "context_window", "kv_cache_estimate", "has_tokenizer",
+           "weights_fingerprint",
            "default_dtype", "vllm_version", "collect"]
 
 #: the proposer class vLLM loads (``speculative_config = {"method": "custom_class", "model": PROPOSER_PATH}``).
@@ -184,6 +185,21 @@ def model_args(hf_config: dict) -> SimpleNamespace:
     return SimpleNamespace(vocab_size=int(hf_config.get("vocab_size") or 0), eos_token_ids=eos)
 
 
+def context_window(hf_config: dict) -> int:
+    """The model's context length (``max_position_embeddings``; 2048 when the config does not say)."""
+    return int(hf_config.get("max_position_embeddings") or 2048)
+
+
+def kv_cache_estimate(hf_config: dict, dtype: str) -> int:
+    """KV-cache bytes per token of a decoder ``config.json`` in ``dtype``: 2 (K and V) x layers x KV heads x head
+    size x element size."""
+    heads = int(hf_config.get("num_attention_heads") or 1)
+    head_dim = int(hf_config.get("head_dim") or int(hf_config.get("hidden_size", 0)) // heads)
+    kv_heads = int(hf_config.get("num_key_value_heads") or heads)
+    size = 4 if dtype in ("float32", "float") else 2
+    return 2 * int(hf_config.get("num_hidden_layers", 0)) * kv_heads * head_dim * size
+
+
 def has_tokenizer(path: str) -> bool:
     """Whether a model directory holds tokenizer files (``tokenizer.json`` / ``tokenizer_config.json`` /
     ``tokenizer.model``)."""
@@ -246,8 +262,10 @@ class VLLMCollector:
         draft_init: ``context`` | ``repeat`` (:class:`~megatron_jf.decoding.DecodeConfig`).
         dtype: vLLM's dtype (``float32``, ``bfloat16``, ...).
         max_num_seqs: requests decoded together (vLLM's batch).
-        max_model_len: vLLM's context length (default: the model's ``max_position_embeddings``).
-        kv_cache_bytes: KV-cache size (default: vLLM's).
+        max_model_len: vLLM's context length (default: the model's, :func:`context_window`); prompts up to
+            ``max_model_len - n - 1`` tokens with their responses fit (:attr:`max_context`).
+        kv_cache_bytes: KV-cache size (default on CPU: :func:`kv_cache_estimate` for ``max_num_seqs`` requests
+            of ``max_model_len`` tokens, twice; on a GPU: vLLM's, from ``gpu_memory_utilization``).
         enforce_eager: skip vLLM's ``torch.compile`` (faster start, slower steps).
         extra: further ``vllm.LLM`` keyword arguments.
 
@@ -265,10 +283,12 @@ class VLLMCollector:
         self.policy = CollectorPolicy(self.decode_config)
         self.max_num_seqs = max_num_seqs
         self.vocab_size = int(hf_config.get("vocab_size", 0))
-        self.max_model_len = int(max_model_len or hf_config.get("max_position_embeddings") or 2048)
+        self.max_model_len = int(max_model_len or context_window(hf_config))
         # the last draft may reach n + 1 positions past the response's end; vLLM would cut it there
         self.max_context = self.max_model_len - block_size - 1
         self.dtype = dtype
+        if kv_cache_bytes is None and default_dtype() == "float32":  # CPU: vLLM would reserve most of the RAM
+            kv_cache_bytes = 2 * max_num_seqs * self.max_model_len * kv_cache_estimate(hf_config, dtype)
         self.prefill_disagreements = 0  # see JacobiResult.prefill_disagreed, counted by collect()
         self._eos_ids: frozenset = frozenset()
         kw = self.engine_kwargs(kv_cache_bytes=kv_cache_bytes, enforce_eager=enforce_eager)
