@@ -38,6 +38,16 @@ class CheckpointFileError(FileNotFoundError, ValueError):
     """
 
 
+def is_megatron_dir(path: str) -> bool:
+    """True when ``path`` is a directory holding a megatron checkpoint (``latest_checkpointed_iteration.txt``,
+    ``release/`` or an ``iter_*`` folder at the top level) -- the mirror mistake for tools that read Hugging Face
+    directories (``tools/generate_trajectories.py --engine vllm``)."""
+    if not os.path.isdir(path):
+        return False
+    names = os.listdir(path)
+    return any(m in names for m in _MCORE_MARKERS) or any(n.startswith("iter_") for n in names)
+
+
 def is_hf_model_dir(path: str) -> bool:
     """True when ``path`` is a directory laid out like ``save_pretrained`` output and holds no megatron checkpoint.
 
@@ -45,12 +55,9 @@ def is_hf_model_dir(path: str) -> bool:
     ``release/`` or an ``iter_*`` folder at the top level (such a directory is a checkpoint even if it also holds a
     ``config.json``).
     """
-    if not os.path.isdir(path):
+    if not os.path.isdir(path) or is_megatron_dir(path):
         return False
-    names = set(os.listdir(path))
-    if any(m in names for m in _MCORE_MARKERS) or any(n.startswith("iter_") for n in names):
-        return False
-    return any(m in names for m in HF_MARKERS)
+    return any(m in os.listdir(path) for m in HF_MARKERS)
 
 
 def hf_dir_message(path: str, flag: str = "--load") -> str:

@@ -32,7 +32,7 @@ case "${JF_ENV:-primary}" in
     JF_REQS=requirements-vllm.txt
     JF_NODEPS=""
     JF_REMOVE="torchvision torchaudio torchcodec"
-    JF_TEST_ARGS="tests/test_vllm_methods.py tests/test_vllm_plugin.py"
+    JF_TEST_ARGS="tests/test_vllm_methods.py tests/test_vllm_plugin.py tests/test_vllm_collect.py"
     ;;
   *)
     echo "JF_ENV must be 'primary', 'py312' or 'vllm', got '${JF_ENV}'" >&2

@@ -126,10 +126,13 @@ def test_interpretation_compares_base_and_final_against_the_targets():
     assert interpretation_markdown({"rows": rows[:3]}) == ""  # one model: nothing to compare
 
 
-def test_real_preset_round2_collects_a_prefix_of_the_prompts(tmp_path):
+def test_real_preset_round2_collects_a_prefix_of_the_prompts(tmp_path, monkeypatch):
     """traj2 regenerates trajectories for the first traj2_prompts training prompts, at the trajectory length; the
     JF rounds save jf_saves evenly spaced checkpoints (the learning curve's points)."""
+    from megatron_jf.quickstart import pipeline
     from megatron_jf.quickstart.pipeline import Pipeline
+
+    monkeypatch.setattr(pipeline, "vllm_python", lambda: None)  # this project's collector (vLLM's: its own test)
 
     pre = replace(PRESETS["real"], traj2_prompts=2, traj_response_tokens=24, response_tokens=64, jf2_steps=48)
     pipe = Pipeline(tmp_path, pre, log=lambda *a: None)

@@ -84,6 +84,7 @@ __all__ = [
     "CollectConfig",
     "CollectStats",
     "collect",
+    "keep_result",
     "SkipLedger",
     "shard_prefix",
     "ShardSummary",
@@ -513,22 +514,7 @@ def collect(engine, prompts: Sequence[TokenizedPrompt], config: CollectConfig, *
                                   eos_ids=eos_ids, record_trajectory=True)
         st = CollectStats(prompts=len(batch))
         for p, res in zip(batch, results):
-            rec = build_record(p.sample_id, p.ids, res, config.block_size, eos_ids)
-            st.tokens += len(res.tokens)
-            st.forwards += res.forwards
-            reason = filter_reason(rec, eos_ids) if config.filter else None
-            if reason is not None:
-                cat = _category(reason)
-                st.filtered[cat] = st.filtered.get(cat, 0) + 1
-                if ledger is not None:
-                    ledger.add(p.sample_id, reason, cat)
-                continue
-            if writer is not None:
-                writer.write(rec)
-            st.records += 1
-            st.blocks += rec.num_blocks
-            st.states += sum(b.num_states for b in rec.blocks)
-            st.eos += int(rec.eos_reached)
+            keep_result(p, res, config, st, writer=writer, ledger=ledger)
         del results
         st.seconds = time.perf_counter() - t0
         total = total.merge(st)
@@ -536,6 +522,42 @@ def collect(engine, prompts: Sequence[TokenizedPrompt], config: CollectConfig, *
             on_batch(st, len(batch))
     total.seconds = time.perf_counter() - t_start
     return total
+
+
+def keep_result(prompt: TokenizedPrompt, result, config: CollectConfig, stats: CollectStats, *, writer=None,
+                ledger: "SkipLedger | None" = None) -> None:
+    """One decoded prompt into the data set: build its record (:func:`build_record`), drop it to the ledger if the
+    repetition filter says so, else write it; count it in ``stats`` (tokens, forwards, records, filtered, ...).
+    The part of :func:`collect` every engine's collector shares.
+
+    Args:
+        prompt: the tokenised prompt.
+        result: what the engine decoded: ``tokens``, ``forwards``, ``finish_reason`` and ``trajectory`` as in
+            :func:`build_record`.
+        config: the collection settings (block size, stop ids, filter).
+        stats: counters updated in place (``prompts`` is the caller's).
+        writer, ledger: as in :func:`collect`.
+
+    Raises:
+        ValueError: see :func:`build_record`.
+    """
+    eos_ids = frozenset(config.eos_ids)
+    rec = build_record(prompt.sample_id, prompt.ids, result, config.block_size, eos_ids)
+    stats.tokens += len(result.tokens)
+    stats.forwards += result.forwards
+    reason = filter_reason(rec, eos_ids) if config.filter else None
+    if reason is not None:
+        cat = _category(reason)
+        stats.filtered[cat] = stats.filtered.get(cat, 0) + 1
+        if ledger is not None:
+            ledger.add(prompt.sample_id, reason, cat)
+        return
+    if writer is not None:
+        writer.write(rec)
+    stats.records += 1
+    stats.blocks += rec.num_blocks
+    stats.states += sum(b.num_states for b in rec.blocks)
+    stats.eos += int(rec.eos_reached)
 
 
 # ============================================================================ output directory / resume

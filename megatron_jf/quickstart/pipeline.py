@@ -126,6 +126,17 @@ PRESETS = {
 }
 
 
+def vllm_python() -> str | None:
+    """The interpreter of a vLLM environment for trajectory collection: ``$JF_VLLM_PYTHON``, else this checkout's
+    ``.venv-vllm`` (``JF_ENV=vllm bash scripts/bootstrap.sh``) when vLLM is installed there; None otherwise."""
+    py = os.environ.get("JF_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+    if not os.path.isfile(py):
+        return None
+    probe = subprocess.run([py, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+                           capture_output=True)
+    return py if probe.returncode == 0 else None
+
+
 class Pipeline:
     """Runs the stages in order, skipping finished ones. See the module docstring."""
 
@@ -151,9 +162,10 @@ class Pipeline:
         """Write ``stage``'s ``.done`` marker (atomically) with a summary."""
         atomic_write_json(self.path(f"{stage}.done"), info)
 
-    def run(self, args: list, stage: str) -> None:
-        """Run a project script as a subprocess; raise RuntimeError on failure (the stage resumes on re-run)."""
-        cmd = [self.python, *(f"{a:g}" if isinstance(a, float) else a for a in args)]
+    def run(self, args: list, stage: str, python: str | None = None) -> None:
+        """Run a project script as a subprocess (with ``python``, default this pipeline's interpreter); raise
+        RuntimeError on failure (the stage resumes on re-run)."""
+        cmd = [python or self.python, *(f"{a:g}" if isinstance(a, float) else a for a in args)]
         self.log(f"[{stage}] $ {shlex.join(str(c) for c in cmd)}")  # quoted: the line pastes back as is
         proc = subprocess.run([str(c) for c in cmd], env=self.env, cwd=str(REPO))
         if proc.returncode != 0:
@@ -343,17 +355,28 @@ class Pipeline:
             lines = prompts.read_text().splitlines(keepends=True)[:p.traj2_prompts]
             prompts = self.path("prompts_traj2.jsonl")
             atomic_write_text(prompts, "".join(lines))
-        self.run(["tools/generate_trajectories.py", "--load", self.path(model), "--prompts", prompts,
-                  "--block-size", n, *(["--bf16"] if p.precision == "bf16" else []),
-                  "--max-new-tokens", p.traj_response_tokens or p.response_tokens,
-                  "--batch-size", p.collect_batch, "--out", self.path(stage), "--threads", p.threads]
-                 + ([] if p.repetition_filter else ["--no-filter"]), stage)
+        args = ["tools/generate_trajectories.py", "--prompts", prompts, "--block-size", n, *(["--bf16"] if p.precision == "bf16" else []),
+                "--max-new-tokens", p.traj_response_tokens or p.response_tokens,
+                "--batch-size", p.collect_batch, "--out", self.path(stage), "--threads", p.threads]
+        args += [] if p.repetition_filter else ["--no-filter"]
+        vllm_py = vllm_python() if p.real else None
+        if vllm_py:  # vLLM's engine collects the same records faster (README "Trajectories with vLLM"); HF input
+            hf = self.path("smollm2_hf") if model == "base" else self.path(f"{model}_hf")
+            if not hf.is_dir():  # written atomically; kept, so a resumed collection sees the same weights
+                self.run(["tools/convert_hf.py", "mcore-to-hf", "--load", self.path(model), "--out", hf], stage)
+            self.log(f"[{stage}] collector: vLLM ({vllm_py})")
+            self.run(args + ["--engine", "vllm", "--load", hf], stage, python=vllm_py)
+        else:
+            self.log(f"[{stage}] collector: this project's engine" + (" (vLLM not installed: no .venv-vllm)"
+                                                                      if p.real else ""))
+            self.run(args + ["--load", self.path(model)], stage)
         man = json.loads(self.path(stage, "manifest.json").read_text())
         records = man.get("counts", {}).get("records", man.get("records"))
         if not records:
             raise RuntimeError(f"stage {stage}: no trajectory records were kept (see {self.path(stage, 'manifest.json')}: "
                                "every sample was filtered); the base model is too degenerate for this preset")
-        return {"manifest": {k: v for k, v in man.items() if k != "shards"}}
+        return {"collector": "vllm" if vllm_py else "megatron",
+                "manifest": {k: v for k, v in man.items() if k != "shards"}}
 
     def stage_jf(self, stage: str, init: str, data: str, n: int, w: int, steps: int) -> dict:
         """One Jacobi Forcing round from ``init`` on trajectory shards ``data`` (block n, window w)."""
