@@ -17,7 +17,7 @@
 # DRY_RUN=1 prints every stage's command (and the batch arithmetic) without running anything.
 #
 # Where the values come from. "paper" = Sec. 4.1 / Eq. 7-9; "code" = the official JacobiForcing training scripts
-# (shared/research/jf_reference.md Sec. 6), used where the paper gives no value:
+# (their loss and trainer), used where the paper gives no value:
 #   n=16 w=16 10k steps, then n=32 w=8 10k steps, trajectories regenerated ... paper Sec. 4.1
 #   lr 1e-6, batch size 4, max new sequence length 2048 ......................... paper Sec. 4.1
 #   linear progressive noise schedule, noise-conditioned (nc) mask, KL ......... paper Eq. 7-8

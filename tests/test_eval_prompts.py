@@ -19,7 +19,8 @@ from megatron_jf.eval.prompts import (
     text_sha256,
 )
 
-# the paper's instruction, typed from jf_reference.md section 9 (not imported from the module under test)
+# the paper's instruction, typed from the official jacobi_forcing_inference_humaneval.py (not imported from the module
+# under test)
 PAPER_HUMANEVAL = (
     "Please continue to complete the function. You are not allowed to modify the given code and do the completion "
     "only. Please return all completed function in a codeblock. Here is the given code to do completion:\n"

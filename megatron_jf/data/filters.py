@@ -18,7 +18,7 @@ of length ``L`` is *degenerate* if either
    ``ngram``-grams (4) to all ``ngram``-grams is ``< min_distinct_ratio`` (0.3), i.e. every 4-gram
    occurs more than ~3 times on average. Typical non-degenerate text/code scores 0.6-0.95
    (boilerplate-heavy code at the low end); the tiny prototype's visibly repetitive base model
-   scored 0.24 (jf_tiny_proto.md). This catches near-periodic loops (e.g. incrementing counters)
+   scored 0.24. This catches near-periodic loops (e.g. incrementing counters)
    that rule 1 misses.
 
 Both rules are cheap tensor operations (``O(max_period * L)`` and one ``unique``).

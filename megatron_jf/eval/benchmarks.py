@@ -2,7 +2,7 @@
 
 The paper reports accuracy next to tokens-per-forward (TPF) and tokens-per-second (TPS) on HumanEval, MBPP,
 GSM8K and MATH. Nothing here downloads anything: every benchmark is read from data files that ship inside
-PyPI packages (see ``/work/shared/research/data_models.md`` section 1):
+PyPI packages:
 
 =========== ======================= =============================================================== =====
 name        package                 file inside the package                                          items

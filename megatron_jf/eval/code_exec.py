@@ -1,6 +1,6 @@
 """Code extraction and sandboxed execution for HumanEval and MBPP (pass@1 in Jacobi Forcing Tables 1-3).
 
-Extraction (:func:`extract_code`) follows the reference drivers (``jf_reference.md`` section 9): the first
+Extraction (:func:`extract_code`) follows the official JacobiForcing HumanEval drivers: the first
 ```` ```python ```` block, else the first bare ```` ``` ```` block, else the raw text. An unclosed fence (truncated
 generation) runs to the end of the text.
 

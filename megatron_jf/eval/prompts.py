@@ -6,8 +6,8 @@ builds plain text to be continued (:func:`build_raw_prompt`).
 
 Prompt texts of the default prompt set ``"jf-paper-v1"`` and their sources:
 
-* **HumanEval** (user turn, verbatim from the reference drivers ``jacobi_forcing_inference_humaneval.py``; see
-  ``jf_reference.md`` section 9): "Please continue to complete the function. You are not allowed to modify the
+* **HumanEval** (user turn, verbatim from the reference drivers ``jacobi_forcing_inference_humaneval.py``
+  of the official JacobiForcing code): "Please continue to complete the function. You are not allowed to modify the
   given code and do the completion only. Please return all completed function in a codeblock. Here is the given
   code to do completion:\\n```python\\n{prompt}\\n```", where ``{prompt}`` is the HumanEval prompt ``.strip()``-ed as
   in the reference. The reference renders it with the Qwen2.5 template, which adds the default system prompt "You

@@ -47,10 +47,10 @@ Weights (defaults, with sources):
 
 * ``pc_weight = 1``, ``ar_weight = 1``: the paper writes ``L = L_pc + w L_AR`` (Eq. 9) with ``w`` a
   hyper-parameter; its value could not be verified here (only the abstract was readable), so ``w = 1``
-  is used, as in our tiny prototype (``shared/research/jf_tiny_proto.md``).
+  is used, as in the project's first tiny prototype.
 * The reference code uses ``ar_weight = 10`` and divides the consistency loss by ``T`` (the number of
   blocks) after a mean over positions: ``--ar-weight 10 --pc-normalization reference
-  --consistency-loss soft_ce`` reproduces it (``shared/research/jf_reference.md`` Sec. 6.3).
+  --consistency-loss soft_ce`` reproduces it (the official total loss: ``10 CE_AR + (1/T) softCE_pc``).
 
 Tensor parallelism: logits are vocab-parallel (``[..., V_pad / tp]`` on each TP rank, rank ``r`` holding
 columns ``[r V_local, (r+1) V_local)``). Softmax statistics (max, sum of exp) and the per-row sums are

@@ -25,7 +25,8 @@ Memory
     trainer checks that the built model carries them.
 
 Optimizers (``--use-megatron-optimizer``, automatic: on with CUDA, off without)
-    * **CPU path** (megatron's optimizer hard-codes CUDA, ``shared/research/mcore_cpu.md`` Sec. 4):
+    * **CPU path** (megatron's optimizer hard-codes CUDA: ``FP32Optimizer``, ``clip_grads`` and the distributed
+      optimizer allocate on or assert ``cuda`` tensors):
       ``torch.optim.AdamW``, fp32 weights; ``--precision bf16`` runs every microbatch's forward, loss and backward
       under bf16 autocast with those fp32 weights as the master weights (:mod:`megatron_jf.precision`; refused on a
       CPU without native bf16). Data parallelism: ``torch.nn.parallel.DistributedDataParallel``
