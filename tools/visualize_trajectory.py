@@ -13,7 +13,7 @@ One row per Jacobi iteration (per block, in decoding order). Each token cell is 
 Sources::
 
     # a recorded trajectory from a webdataset shard (megatron_jf.data.read_shard)
-    python tools/visualize_trajectory.py --shard data/traj-000000.tar --index 0 --tokenizer tok/ --out viz/sample0
+    python tools/visualize_trajectory.py --shard data/traj-dp00000-000000.tar --index 0 --tokenizer tok/ --out viz/sample0
     # live: run the jacobi decoder with record_trajectory=True on a prompt
     python tools/visualize_trajectory.py --load ckpt/ --prompt "def fib(n):" --block-size 16 --out viz/fib
 
