@@ -53,13 +53,16 @@ def _strip_env(words):
 
 def entry_point(words):
     """``(entry, args)`` of a ``python``/``torchrun``/``bash examples`` command, or None: ``entry`` is a script path
-    relative to the repository (``tools/generate.py``, ``examples/quickstart.sh``)."""
+    relative to the repository (``tools/generate.py``, ``examples/quickstart.sh``) or a ``python -m megatron_jf.X``
+    module."""
     words = _strip_env(words)
     if not words:
         return None
     exe = os.path.basename(words[0])
     if exe == "bash" and len(words) > 1 and words[1].startswith("examples/"):
         return words[1], words[2:]
+    if exe.startswith("python") and len(words) > 2 and words[1] == "-m" and words[2].startswith("megatron_jf."):
+        return words[2], words[3:]  # a module of this project with its own build_parser()
     launcher = exe == "torchrun" or (exe.startswith("python") and words[1:3] == ["-m", "torch.distributed.run"])
     if exe.startswith("python") or launcher:
         i = next((i for i, w in enumerate(words) if w.endswith(".py")), None)

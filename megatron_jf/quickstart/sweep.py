@@ -174,17 +174,22 @@ def sweep_markdown(rows: list[dict], preset) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> None:
-    """CLI entry point (see the module docstring)."""
-    from .pipeline import PRESETS
-
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m megatron_jf.quickstart.sweep``."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--from", dest="src", required=True, help="a quickstart work directory past its traj2 stage")
     ap.add_argument("--out", required=True, help="sweep directory (one sub-directory per run)")
     ap.add_argument("--run", action="append", required=True, help="key=value[,key=value]: lr, ar, anchor, steps")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="training precision of the runs")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the preset's)")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> None:
+    """CLI entry point (see the module docstring)."""
+    from .pipeline import PRESETS
+
+    a = build_parser().parse_args(argv)
     src = Path(a.src)
     try:
         _require_finished(src)
