@@ -100,6 +100,10 @@ def _run_ours(args) -> None:
     from megatron_jf.hf_io import tokenizer_eos_ids
     from megatron_jf.inference.engine import DecodeConfig, Engine
 
+    from megatron_jf import parallel
+
+    parallel.initialize(1, 1)
+    parallel.set_seed(0)
     spec = json.load(open(args.spec))
     hf = AutoModelForCausalLM.from_pretrained(spec["hf"], dtype=torch.float32).eval()
     eng = Engine(_megatron_from_hf(hf))
