@@ -383,11 +383,16 @@ def _load_sharded(state: dict, path: str) -> dict:
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        with warnings.catch_warnings():  # known deprecations inside megatron-core's torch_dist loader (0.16)
+        with warnings.catch_warnings():  # known warnings inside megatron-core's torch_dist loader (0.16, 0.19)
             warnings.filterwarnings("ignore", message="`load_state_dict` is deprecated", category=FutureWarning,
                                     module=r"megatron\.core\.dist_checkpointing\.")
             warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating "
                                     "ShardedTensor", category=FutureWarning, module=r"torch\.distributed\.checkpoint\.")
+            # 0.19's loader calls torch DCP's load without a process group (one process) and positionally
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                                    category=UserWarning, module=r"torch\.distributed\.checkpoint\.")
+            warnings.filterwarnings("ignore", message="The argument order of load has been changed",
+                                    category=UserWarning, module=r"torch\.distributed\.checkpoint\.")
             return dist_checkpointing.load(state, path)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         cause = e

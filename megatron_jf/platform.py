@@ -45,6 +45,12 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine and Apex|Apex i
                         "absl.logging is not installed).*")
 
 HAVE_CUDA: bool = torch.cuda.is_available()
+if not HAVE_CUDA:  # a CUDA build of torch on a machine without the driver (py312's wheel) logs this once, when
+    # megatron-core imports torch.utils.cpp_extension; nothing here builds an extension, so it says nothing useful
+    import logging
+
+    logging.getLogger("torch.utils.cpp_extension").addFilter(
+        lambda record: not record.getMessage().startswith("No CUDA runtime is found"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -67,6 +67,8 @@ def good_ckpt(tmp_path_factory, mp1):
 
 def damaged(good_ckpt, tmp_path, kind):
     """A copy of the tiny checkpoint with ``kind`` applied; returns ``(dir, damaged file, message fragment)``."""
+    if kind.endswith("common_pt") and not os.path.isfile(os.path.join(good_ckpt, ITER, "common.pt")):
+        pytest.skip("megatron-core >= 0.17 keeps the common state inside the DCP files: there is no common.pt")
     ck = str(tmp_path / f"ck-{kind}")
     shutil.copytree(good_ckpt, ck)
     path, fragment = DAMAGE[kind](ck)
