@@ -133,7 +133,8 @@ def _run_vllm(args) -> None:
           "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
           "jacobi": {"method": "jacobi", "num_speculative_tokens": args.n},
           "mr": {"method": "mr", "num_speculative_tokens": args.n * args.k, "num_blocks": args.k}}[args.system]
-    llm = LLM(spec["hf"], dtype="float32", max_model_len=2048, enforce_eager=True, disable_log_stats=False,
+    ctx = json.load(open(os.path.join(spec["hf"], "config.json"))).get("max_position_embeddings") or 2048
+    llm = LLM(spec["hf"], dtype="float32", max_model_len=min(2048, int(ctx)), enforce_eager=True, disable_log_stats=False,
               kv_cache_memory_bytes=1 << 30, seed=0, **({} if sc is None else {"speculative_config": sc}))
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
 
