@@ -125,7 +125,7 @@ def _checkout(tmp_path, script, *, venv):
 
 
 def _run_script(root, script, args, **env):
-    e = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "DRY_RUN")}
+    e = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "DRY_RUN", "JF_ENV")}
     e.update(env)
     return subprocess.run(["bash", str(root / "examples" / script), *args], env=e, capture_output=True, text=True,
                           timeout=60, cwd=str(root))
