@@ -170,6 +170,27 @@ def test_work_directory_of_other_preset_settings_is_refused(tmp_path):
         main(["--real", "--out", str(out), "--until", "corpus"])
 
 
+def test_work_directory_older_than_a_setting_resumes_with_its_default(tmp_path, monkeypatch):
+    """A preset.json written before a setting existed (here jf_pc_weight) resumes when the run keeps that setting's
+    default, and is refused when the command line changes it."""
+    import pytest
+
+    from megatron_jf.quickstart import pipeline as P
+
+    seen = []
+    monkeypatch.setattr(P.Pipeline, "execute", lambda self, until=None: seen.append(self.p))
+    out = tmp_path / "w"
+    out.mkdir()
+    old = asdict(PRESETS["real"])
+    del old["jf_pc_weight"]
+    atomic_write_json(out / "preset.json", old)
+    P.main(["--real", "--out", str(out)])
+    assert seen and seen[-1].jf_pc_weight == 1.0
+    atomic_write_json(out / "preset.json", old)
+    with pytest.raises(SystemExit, match=r"other preset settings \(jf_pc_weight\)"):
+        P.main(["--real", "--out", str(out), "--pc-weight", "0"])
+
+
 def test_recipe_knobs_from_the_command_line_reach_the_stages(tmp_path, monkeypatch):
     """--lr/--ar-weight/--anchor-weight/--traj2-prompts/--jf2-steps/--precision set the preset
     (recorded in preset.json), and the stages pass them on: bf16 training and collection, the anchor term on real
@@ -188,11 +209,11 @@ def test_recipe_knobs_from_the_command_line_reach_the_stages(tmp_path, monkeypat
     monkeypatch.setenv(CPU_BF16_ENV, "1")
     out = tmp_path / "w"
     knobs = ["--lr", "5e-5", "--ar-weight", "4", "--anchor-weight", "0.5", "--traj2-prompts", "200",
-             "--jf2-steps", "100", "--precision", "bf16"]
+             "--jf2-steps", "100", "--precision", "bf16", "--pc-weight", "0"]
     P.main(["--real", "--out", str(out), *knobs])
     pre = seen[-1]
-    assert (pre.jf_lr, pre.jf_ar_weight, pre.anchor_weight, pre.traj2_prompts, pre.jf2_steps, pre.precision) == (
-        5e-5, 4.0, 0.5, 200, 100, "bf16")
+    assert (pre.jf_lr, pre.jf_ar_weight, pre.anchor_weight, pre.traj2_prompts, pre.jf2_steps, pre.precision,
+            pre.jf_pc_weight) == (5e-5, 4.0, 0.5, 200, 100, "bf16", 0.0)
     assert json.loads((out / "preset.json").read_text())["jf_lr"] == 5e-5
     with pytest.raises(SystemExit, match=r"other preset settings \(jf_lr\)"):  # resumes only with the same recipe
         P.main(["--real", "--out", str(out), *knobs[2:]])
@@ -209,7 +230,8 @@ def test_recipe_knobs_from_the_command_line_reach_the_stages(tmp_path, monkeypat
     pipe.run = lambda args, stage: calls.append([str(a) for a in args])
     pipe.stage_jf("jf2", "jf1", "traj2", 32, 8, 100)
     a = calls[-1]
-    for flag, value in (("--precision", "bf16"), ("--lr", "5e-05"), ("--ar-weight", "4.0"), ("--anchor-weight", "0.5"),
+    for flag, value in (("--precision", "bf16"), ("--lr", "5e-05"), ("--ar-weight", "4.0"), ("--pc-weight", "0.0"),
+                        ("--anchor-weight", "0.5"),
                         ("--anchor-micro-batch-size", "1"), ("--anchor-data", str(out / "tokens_train.npy"))):
         assert a[a.index(flag) + 1] == value, flag
     ids = np.load(out / "tokens_train.npy")

@@ -1,18 +1,66 @@
-"""The main job's smoke preset runs end to end (corpus -> base model -> trajectories -> two JF rounds -> report)."""
+"""The main job's smoke preset runs end to end (corpus -> base model -> trajectories -> two JF rounds -> report)
+and tests the method: its base model is not degenerate, L_pc is non-zero, Jacobi Forcing raises Jacobi TPF by more
+than a run without a working consistency loss does, and its figures match the golden values of
+``tests/fixtures/quickstart_smoke_golden.json`` (how they were made: ``tests/fixtures/README.md``)."""
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from tests.conftest import REPO
 
+GOLDEN = Path(REPO) / "tests" / "fixtures" / "quickstart_smoke_golden.json"
+# the module's one smoke run takes ~450 CPU seconds at one thread (tests/fixtures/README.md); room for a slow machine
+pytestmark = pytest.mark.timeout(1800)
 
-def test_quickstart_smoke_end_to_end(tmp_path):
-    out = tmp_path / "qs"
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """One ``--smoke`` run at one thread (the golden values' setting), shared by this module's tests."""
+    out = tmp_path_factory.mktemp("quickstart") / "qs"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     cmd = [sys.executable, "-m", "megatron_jf.quickstart.pipeline", "--smoke", "--threads", "1", "--out", str(out)]
-    p = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    p = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=1700)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return out, cmd, env
+
+
+def test_quickstart_smoke_tests_the_method(smoke_run):
+    from megatron_jf.eval.degenerate import DISTINCT_THRESHOLD
+    from megatron_jf.quickstart.golden import run_figures
+
+    out, _, _ = smoke_run
+    rep = json.loads((out / "report" / "report.json").read_text())
+    checks = json.loads(GOLDEN.read_text())["checks"]
+    fig = run_figures(out)
+    assert not rep["warnings"], rep["warnings"]  # no model degenerate, L_pc not identically zero
+    assert "**WARNING" not in (out / "report" / "report.md").read_text()
+    for ck in ("base", "jf1", "jf2"):
+        assert fig[f"{ck}.distinct2"] >= DISTINCT_THRESHOLD + checks["min_distinct2_margin"], (ck, fig)
+    for ck in ("jf1", "jf2"):
+        assert fig[f"{ck}.pc_loss_first"] >= checks["min_pc_loss_first"], (ck, fig)
+    # Jacobi TPF on the training prompts (what the two rounds fit): a run whose L_pc gives no gradient stays at the
+    # base model's (tests/fixtures/README.md has the measured runs the threshold sits between)
+    gain = fig["jf2.fit_tpf"] - fig["base.fit_tpf"]
+    assert gain >= checks["min_fit_tpf_gain"], (
+        f"Jacobi TPF on training prompts base {fig['base.fit_tpf']:.3f} -> JF round 2 {fig['jf2.fit_tpf']:.3f}: gain "
+        f"{gain:.3f} < {checks['min_fit_tpf_gain']} (what a run without a working consistency loss reaches)")
+
+
+def test_quickstart_smoke_matches_golden_values(smoke_run):
+    from megatron_jf.quickstart.golden import compare, run_figures
+
+    out, _, _ = smoke_run
+    bad = compare(run_figures(out), json.loads(GOLDEN.read_text()))
+    assert not bad, ("smoke run figures differ from tests/fixtures/quickstart_smoke_golden.json:\n  "
+                     + "\n  ".join(bad) + "\n(a deliberate change regenerates them: tests/fixtures/README.md)")
+
+
+def test_quickstart_smoke_end_to_end(smoke_run):
+    out, cmd, env = smoke_run
     for stage in ("corpus", "base", "prompts", "traj1", "jf1", "traj2", "jf2", "report"):
         assert (out / f"{stage}.done").is_file(), stage
     rep = json.loads((out / "report" / "report.json").read_text())
@@ -56,3 +104,17 @@ def test_quickstart_smoke_end_to_end(tmp_path):
     assert p3.returncode == 0, p3.stdout[-3000:] + p3.stderr[-3000:]
     assert p3.stdout.count("evaluated earlier") == 3 and "[report] evaluating" not in p3.stdout
     assert json.loads((out / "report" / "report.json").read_text())["rows"] == rep["rows"]
+
+
+def test_golden_compare_names_each_figure_out_of_tolerance():
+    """compare() reports a figure outside its tolerance and a golden figure the run lacks, one line each, and
+    nothing for figures within tolerance or extra figures."""
+    from megatron_jf.quickstart.golden import compare
+
+    golden = {"figures": {"jf2.fit_tpf": {"value": 1.2, "tol": 0.05}, "jf2.nll": {"value": 3.48, "tol": 0.1},
+                          "traj2.tpf": {"value": 1.09, "tol": 0.08}}}
+    bad = compare({"jf2.fit_tpf": 1.018, "jf2.nll": 3.55, "extra": 7.0}, golden)
+    assert len(bad) == 2
+    assert bad[0].startswith("jf2.fit_tpf: 1.018, golden 1.2 +- 0.05 (off by -0.182)")
+    assert bad[1].startswith("traj2.tpf: missing from the run")
+    assert compare({"jf2.fit_tpf": 1.24, "jf2.nll": 3.39, "traj2.tpf": 1.1}, golden) == []

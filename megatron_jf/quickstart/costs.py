@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-__all__ = ["stage_costs", "costs_markdown"]
+__all__ = ["stage_costs", "stage_cpu_seconds", "costs_markdown"]
 
 
 def _decoded(info: dict) -> int | None:
@@ -46,14 +46,31 @@ def stage_costs(pipe) -> list[dict]:
     return out
 
 
-def costs_markdown(costs: list[dict], report_seconds: float | None = None) -> str:
-    """The report's "where the time went" table."""
-    lines = ["", "Where the time went (wall seconds per stage; samples/s end to end, loads and saves included):", "",
-             "| Stage | seconds | samples | samples/s |", "|---|---|---|---|"]
+def stage_cpu_seconds(pipe) -> dict[str, float]:
+    """``{stage: CPU seconds}`` of the finished stages whose marker records them (``cpu_seconds``: the pipeline
+    process and its subprocesses, user + system)."""
+    from megatron_jf.quickstart.pipeline import STAGES
+
+    out = {}
+    for st in STAGES:
+        f = pipe.path(f"{st}.done")
+        if f.is_file() and "cpu_seconds" in (info := json.loads(f.read_text())):
+            out[st] = float(info["cpu_seconds"])
+    return out
+
+
+def costs_markdown(costs: list[dict], report_seconds: float | None = None, cpu: dict | None = None) -> str:
+    """The report's "where the time went" table (with a CPU-seconds column when ``cpu`` maps stages to them)."""
+    lines = ["", "Where the time went (wall seconds per stage; samples/s end to end, loads and saves included"
+             + ("; CPU seconds of the stage's processes, which other jobs on the machine do not inflate" if cpu
+                else "") + "):", "",
+             "| Stage | seconds | samples | samples/s |" + (" CPU seconds |" if cpu else ""),
+             "|---|---|---|---|" + ("---|" if cpu else "")]
     for c in costs:
         rate = "-" if c["samples_per_s"] is None else f"{c['samples_per_s']:.3f}"
         lines.append(f"| {c['stage']} | {c['seconds']:.0f} | {c['samples'] if c['samples'] is not None else '-'} "
-                     f"| {rate} |")
+                     f"| {rate} |" + (f" {cpu[c['stage']]:.0f} |" if cpu and c["stage"] in cpu else
+                                      " - |" if cpu else ""))
     if report_seconds is not None:
         lines.append(f"| report | {report_seconds:.0f} | - | - |")
     return "\n".join(lines) + "\n"

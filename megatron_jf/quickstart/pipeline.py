@@ -30,7 +30,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from megatron_jf.fileio import atomic_write_json, atomic_write_text
@@ -67,6 +67,7 @@ class Preset:
     jf_mbs: int = 8
     jf_lr: float = 3e-4
     jf_ar_weight: float = 1.0
+    jf_pc_weight: float = 1.0  # weight of L_pc (paper Eq. 9); 0 is the ablation without the consistency loss
     # anchor: next-token CE on real corpus text in the same steps, so self-distillation on the model's own
     # greedy outputs does not drift the model away from real text (held-out NLL is the quality gate)
     anchor_weight: float = 1.0
@@ -79,6 +80,7 @@ class Preset:
     timing_prompts: int = 4
     timing_rounds: int = 3  # report: interleaved timed rounds per decoder, fastest kept (quickstart/timing.py)
     timing_threads: int = 1  # report: torch threads of the batch-1 timing (2 on a shared 2-core CPU: 20-50x slower)
+    fit_prompts: int = 0  # report: Jacobi TPF at n2 on the first this many training prompts too (what JF fit)
     nll_chunks: int = 64
     threads: int = 2
     # The tiny model's greedy continuations loop (a 5M-parameter model trained for minutes); filtering
@@ -92,6 +94,10 @@ class Preset:
     # (HumanEval-shaped function stubs from the stdlib and site-packages, decontaminated against HumanEval and
     # MBPP: megatron_jf/quickstart/code_prompts.py)
     prompt_source: str = "corpus"
+    # model A's corpus: "stdlib" (the running interpreter's standard library; differs between Python versions) or
+    # "packages:<name>,..." (the .py files of installed pure-Python packages pinned in requirements-cpu.txt: the
+    # same text under every Python version, so a run's figures do not depend on the interpreter)
+    corpus: str = "stdlib"
     max_prompt_tokens: int = 0  # "functions": drop prompts longer than this (0: no limit)
     jf_saves: int = 4  # checkpoints per JF round, evenly spaced (the learning curve's points)
     learning_curve: bool = False  # report: Jacobi TPF and pass@1 at every saved checkpoint
@@ -106,10 +112,17 @@ class Preset:
 
 
 PRESETS = {
-    "smoke": Preset("smoke", vocab_size=512, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, max_pos=512,
-                    pretrain_steps=20, pretrain_seq=128, pretrain_mbs=8, prompt_tokens=32, n_train_prompts=24,
-                    n_eval_prompts=6, response_tokens=64, collect_batch=12, jf1_steps=6, jf2_steps=6, jf_mbs=4,
-                    eval_block_sizes=(8, 16), timing_prompts=2, nll_chunks=8),
+    # CI's end-to-end check of the method (tests/test_quickstart_smoke.py compares its figures with golden values):
+    # a 0.7M-parameter model on the source of six pinned pure-Python packages (the same text under every Python
+    # version; the stdlib is not), pretrained until its greedy output is not degenerate; 32 training prompts fit
+    # for many epochs, so Jacobi TPF on them rises only if the consistency loss works; R = 128 covers the noise
+    # schedule's windows (n=16/w=8: 8 blocks, levels 0..7/8; n=32/w=4: 4 blocks, 0..3/4).
+    "smoke": Preset("smoke", corpus="packages:httpx,uvicorn,tqdm,webdataset,prometheus_client,einops",
+                    vocab_size=1024, hidden=128, layers=2, heads=4, kv_heads=2, ffn=384, max_pos=512,
+                    pretrain_steps=400, pretrain_seq=128, pretrain_mbs=16, pretrain_lr=3e-3, prompt_tokens=32,
+                    n_train_prompts=32, n_eval_prompts=8, response_tokens=128, collect_batch=32, jf1_steps=200,
+                    jf2_steps=100, jf_mbs=8, jf_lr=1e-3, w1=8, w2=4, eval_block_sizes=(8, 16),
+                    timing_prompts=2, nll_chunks=8, fit_prompts=16),
     "default": Preset("default"),
     # Sized from rates measured on SmolLM2-135M on this 2-core machine (docs/quickstart_real_costs.md): round 1
     # collects n=16 trajectories (up to 128 new tokens) of 256 decontaminated function-stub prompts and trains
@@ -135,6 +148,15 @@ def vllm_python() -> str | None:
     probe = subprocess.run([py, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
                            capture_output=True)
     return py if probe.returncode == 0 else None
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process and its finished subprocesses (on a machine shared with other
+    jobs, wall seconds say how busy the machine was; CPU seconds what the stage cost)."""
+    import resource
+
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
 class Pipeline:
@@ -187,12 +209,13 @@ class Pipeline:
             if self.done(name):
                 self.log(f"[{name}] done earlier, skipping")
             else:
-                ts = time.time()
+                ts, cpu0 = time.time(), _cpu_seconds()
                 self.log(f"[{name}] starting")
                 info = fn() or {}
                 info["seconds"] = round(time.time() - ts, 1)
+                info["cpu_seconds"] = round(_cpu_seconds() - cpu0, 1)  # this process and its subprocesses
                 self.mark(name, info)
-                self.log(f"[{name}] finished in {info['seconds']:.0f} s")
+                self.log(f"[{name}] finished in {info['seconds']:.0f} s ({info['cpu_seconds']:.0f} CPU s)")
             if name == until:
                 break
         self.log(f"quickstart finished in {time.time() - t0:.0f} s; report: {self.path('report', 'report.md')}")
@@ -202,18 +225,19 @@ class Pipeline:
         """Stdlib corpus split by file, BPE tokenizer on the train split, token streams (``.npy``)."""
         import numpy as np
 
-        from megatron_jf.quickstart.corpus import list_corpus_files, split_files
+        from megatron_jf.quickstart.corpus import split_files
         from megatron_jf.quickstart.tokenizer_train import train_bpe_tokenizer
         from megatron_jf.tokenizer import load_tokenizer
 
         if self.p.real:
             return {"skipped": "model B brings its own tokenizer (held-out NLL tokens are made in the prompts stage)"}
-        files = list_corpus_files()
+        files = self.corpus_files()
         train, held = split_files(files)
         tok_dir = self.path("tokenizer")
         if tok_dir.exists():
             shutil.rmtree(tok_dir)
-        train_bpe_tokenizer(tok_dir, vocab_size=self.p.vocab_size, overwrite=True)  # on the train split
+        train_bpe_tokenizer(tok_dir, vocab_size=self.p.vocab_size, overwrite=True,  # on the train split
+                            texts=None if self.p.corpus == "stdlib" else (f.read() for f in train))
         tok = load_tokenizer(tok_dir)
         eos = min(tok.eos_ids)
         for split, fs in (("train", train), ("heldout", held)):
@@ -226,7 +250,34 @@ class Pipeline:
             np.save(tmp, arr)
             os.replace(tmp, self.path(f"tokens_{split}.npy"))
             self.log(f"[corpus] {split}: {len(fs)} files, {len(arr):,} tokens")
-        return {"train_files": len(train), "heldout_files": len(held), "vocab_size": tok.vocab_size}
+        return {"corpus": self.p.corpus, "train_files": len(train), "heldout_files": len(held),
+                "vocab_size": tok.vocab_size}
+
+    def corpus_files(self):
+        """Model A's corpus files (:attr:`Preset.corpus`), both splits, sorted by relative path. For ``packages:``
+        the relative paths start with the package name (``tqdm/std.py``), which is also the split key.
+
+        Raises:
+            ValueError: an unknown corpus, or a package that is not installed as a directory of ``.py`` files.
+        """
+        import importlib.util
+
+        from megatron_jf.quickstart.corpus import CorpusFile, list_corpus_files, split_of
+
+        if self.p.corpus == "stdlib":
+            return list_corpus_files()
+        kind, _, names = self.p.corpus.partition(":")
+        if kind != "packages" or not names:
+            raise ValueError(f"preset corpus must be 'stdlib' or 'packages:<name>,...', got {self.p.corpus!r}")
+        files = []
+        for name in names.split(","):
+            spec = importlib.util.find_spec(name)
+            roots = list(spec.submodule_search_locations or []) if spec is not None else []
+            if not roots:
+                raise ValueError(f"corpus {self.p.corpus!r}: no installed package directory named {name!r}")
+            files += [CorpusFile(path=f.path, rel=f"{name}/{f.rel}", split=split_of(f"{name}/{f.rel}"))
+                      for f in list_corpus_files(roots[0])]
+        return sorted(files, key=lambda f: f.rel)
 
     def _hf_config_dir(self) -> Path:
         from megatron_jf.testing import tiny_hf_config
@@ -277,7 +328,7 @@ class Pipeline:
         from megatron_jf.tokenizer import load_tokenizer
 
         tok = load_tokenizer(self._tokenizer_dir())
-        files = list_corpus_files()
+        files = list_corpus_files() if self.p.real else self.corpus_files()
         if self.p.prompt_source == "functions":
             return self._function_prompts(tok, files)
         train, evals = make_prompt_sets(files, self.p.n_train_prompts, self.p.n_eval_prompts, tokenizer=tok,
@@ -389,7 +440,7 @@ class Pipeline:
                   "--data", self.path(data), *anchor,
                   "--block-size", n, "--window-size", w, "--micro-batch-size", p.jf_mbs, "--train-steps", steps,
                   "--lr", p.jf_lr, "--min-lr", p.jf_lr / 10, "--warmup-steps", max(1, steps // 20),
-                  "--ar-weight", p.jf_ar_weight, "--save", self.path(stage),
+                  "--ar-weight", p.jf_ar_weight, "--pc-weight", p.jf_pc_weight, "--save", self.path(stage),
                   "--save-interval", max(5, steps // p.jf_saves), "--log-interval", max(1, steps // 20),
                   "--threads", p.threads, "--log-file", self.path(f"{stage}_log.jsonl")], stage)
         return {"block_size": n, "window_size": w, "steps": steps}
@@ -434,7 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line of ``bash examples/quickstart.sh`` (``python -m megatron_jf.quickstart.pipeline``)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_mutually_exclusive_group()
-    g.add_argument("--smoke", action="store_true", help="tiny sizes, a couple of minutes (CI runs it)")
+    g.add_argument("--smoke", action="store_true",
+                   help="tiny sizes, ~8 min on one core (CI runs it and compares its figures with golden values)")
     g.add_argument("--real", action="store_true", help="model B: SmolLM2-135M-Instruct (~2 h on 2 idle cores)")
     ap.add_argument("--out", default=None, help="work directory (default runs/quickstart-<preset>)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads per process (default 2)")
@@ -443,6 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
     k = ap.add_argument_group("recipe (default: the preset's; a work directory resumes only with the same values)")
     k.add_argument("--lr", dest="jf_lr", type=float, help="peak learning rate of both JF rounds")
     k.add_argument("--ar-weight", dest="jf_ar_weight", type=float, help="weight w of L_AR (paper Eq. 9)")
+    k.add_argument("--pc-weight", dest="jf_pc_weight", type=float,
+                   help="weight of the consistency loss L_pc (paper Eq. 9; 0: the ablation without it)")
     k.add_argument("--anchor-weight", type=float,
                    help="weight of the real-text anchor term (next-token CE on stdlib train-split text; 0: off)")
     k.add_argument("--traj2-prompts", type=int, help="round-2 trajectories: the first N training prompts (0: all)")
@@ -459,7 +513,7 @@ def main(argv=None):
     preset = PRESETS["smoke" if a.smoke else "real" if a.real else "default"]
     if a.threads:
         preset = replace(preset, threads=a.threads)
-    knobs = ("jf_lr", "jf_ar_weight", "anchor_weight", "traj2_prompts", "jf2_steps", "precision")
+    knobs = ("jf_lr", "jf_ar_weight", "jf_pc_weight", "anchor_weight", "traj2_prompts", "jf2_steps", "precision")
     preset = replace(preset, **{f: getattr(a, f) for f in knobs if getattr(a, f) is not None})
     if preset.precision == "bf16":
         from megatron_jf.precision import require_cpu_bf16
@@ -490,7 +544,10 @@ def main(argv=None):
     if old.is_file():  # finished stages of other sizes would be skipped and mixed with these
         prev = json.loads(old.read_text())
         now = json.loads(json.dumps(asdict(preset)))
-        changed = sorted(k for k in set(prev) | set(now) if k != "threads" and prev.get(k) != now.get(k))
+        # a setting added after the directory was made counts as its default (the value the run then used)
+        defaults = json.loads(json.dumps({f.name: f.default for f in fields(Preset) if f.default is not MISSING}))
+        changed = sorted(k for k in set(prev) | set(now)
+                         if k != "threads" and prev.get(k, defaults.get(k)) != now.get(k))
         if changed:
             raise SystemExit(f"error: {out} was made with other preset settings ({', '.join(changed)}); "
                              "re-run with --fresh to start over, or pass another --out")

@@ -79,6 +79,7 @@ def build_report(pipe) -> dict:
     eos = set(tok.eos_ids)
     prompt_rows = [json.loads(l) for l in open(pipe.path("prompts_eval.jsonl"))]
     prompts = [r["prompt_ids"] for r in prompt_rows]
+    fit = [json.loads(l)["prompt_ids"] for l in open(pipe.path("prompts_train.jsonl"))][: p.fit_prompts]
     held = np.load(pipe.path("tokens_heldout.npy")) if pipe.path("tokens_heldout.npy").exists() else None
     n = p.n2
     decoders = {"AR": DecodeConfig("ar"), f"Jacobi (n={n})": DecodeConfig("jacobi", block_size=n),
@@ -86,7 +87,7 @@ def build_report(pipe) -> dict:
                                                            verification_size=4)}
     labels = {"base": "base", "jf1": "JF round 1", "jf2": "JF round 2"}
     models = {labels[ck]: ck for ck in p.report_models}
-    rows, curves, outputs, tf_argmax, jacobi_tpf = [], {}, {}, {}, {}
+    rows, curves, outputs, tf_argmax, jacobi_tpf, fit_tpf = [], {}, {}, {}, {}, {}
     R = p.response_tokens
     for label, ck in models.items():
         # one model's results are kept in report/eval_<ckpt>.json, so a report stage killed (or failing) after a
@@ -95,7 +96,7 @@ def build_report(pipe) -> dict:
         key = {"checkpoint": ck, "checkpoint_time": saved, "prompts": prompts, "response_tokens": R,
                "decoders": list(decoders), "block_sizes": list(p.eval_block_sizes),
                "timing_prompts": p.timing_prompts, "timing_rounds": p.timing_rounds,
-               "timing_threads": p.timing_threads, "nll_chunks": p.nll_chunks}
+               "timing_threads": p.timing_threads, "nll_chunks": p.nll_chunks, "fit_prompts": fit}
         cache = out_dir / f"eval_{ck}.json"
         try:
             res = json.loads(cache.read_text())
@@ -105,13 +106,15 @@ def build_report(pipe) -> dict:
             pipe.log(f"[report] {label}: evaluated earlier ({cache})")
         else:
             pipe.log(f"[report] evaluating {label}")
-            res = _evaluate_model(pipe.path(ck), label, prompts, held, decoders, p, eos)
+            res = _evaluate_model(pipe.path(ck), label, prompts, held, decoders, p, eos, fit)
             atomic_write_json(cache, dict(res, key=key), indent=None)
         rows += res["rows"]
         curves[label] = {int(k): v for k, v in res["curve"].items()}
         outputs[label] = res["outputs"]
         tf_argmax[label] = None if res["tf_argmax"] is None else torch.tensor(res["tf_argmax"])
         jacobi_tpf[label] = res["jacobi_tpf"]
+        if res.get("fit_tpf") is not None:
+            fit_tpf[label] = res["fit_tpf"]
     # speedup vs the faster AR of the same model (this project's or transformers greedy), measured in the same run
     for r in rows:
         ars = [x for x in rows if x["model"] == r["model"] and x["decoder"] in ("AR", HF_ROW)]
@@ -134,7 +137,8 @@ def build_report(pipe) -> dict:
         r["output_warning"] = warnings.get(r["model"])
     summary = {"preset": p.name, "rows": rows, "tpf_by_block_size": curves, "eval_prompts": len(prompts),
                "timing_prompts": min(p.timing_prompts, len(prompts)), "timing_rounds": p.timing_rounds,
-               "response_tokens": R, "warnings": {m: w for m, w in warnings.items() if w}, "output_stats": stats}
+               "response_tokens": R, "warnings": {m: w for m, w in warnings.items() if w}, "output_stats": stats,
+               "fit_tpf": fit_tpf, "fit_prompts": len(fit), "n": n}
     extra_md = ""
     if getattr(p, "learning_curve", False):  # TPF and pass@1 at every saved checkpoint (learning_curve.py)
         from megatron_jf.quickstart.learning_curve import curve_markdown, evaluate_curve, plot_curve
@@ -145,10 +149,11 @@ def build_report(pipe) -> dict:
     from megatron_jf.quickstart.interpret import interpretation_markdown  # base vs final JF against the targets
 
     extra_md += interpretation_markdown(summary)
-    from megatron_jf.quickstart.costs import costs_markdown, stage_costs  # seconds and samples/s per stage
+    from megatron_jf.quickstart.costs import costs_markdown, stage_costs, stage_cpu_seconds  # time per stage
 
     summary["stage_costs"] = stage_costs(pipe)
-    extra_md += costs_markdown(summary["stage_costs"])
+    summary["stage_cpu_seconds"] = stage_cpu_seconds(pipe)
+    extra_md += costs_markdown(summary["stage_costs"], cpu=summary["stage_cpu_seconds"])
     atomic_write_json(out_dir / "report.json", summary)
     md = _markdown(summary) + extra_md
     atomic_write_text(out_dir / "report.md", md)
@@ -161,15 +166,17 @@ def build_report(pipe) -> dict:
     return {"report": str(out_dir / "report.md")}
 
 
-def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos) -> dict:
+def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos, fit=()) -> dict:
     """One model: held-out NLL and argmax, then every decoder batched over all prompts (TPF; output asserted equal
     to greedy AR; :func:`megatron_jf.eval.speed.measure`), then at batch 1 on the first ``p.timing_prompts`` prompts
     next to ``transformers`` greedy, warm-up call each and interleaved rounds at ``p.timing_threads`` threads,
     fastest round kept (TPS; :func:`megatron_jf.quickstart.timing.time_interleaved`), then the Jacobi block-size
-    sweep.
+    sweep, and the Jacobi TPF at ``n = p.n2`` on ``fit`` (training prompts: what Jacobi Forcing fit, next to the
+    held-out TPF).
 
     Returns:
-        JSON-ready ``{"rows", "curve", "outputs", "tf_argmax", "jacobi_tpf"}``.
+        JSON-ready ``{"rows", "curve", "outputs", "tf_argmax", "jacobi_tpf", "fit_tpf"}`` (``fit_tpf`` None
+        without ``fit``).
 
     Raises:
         AssertionError: a decoder's output differs from greedy AR (a losslessness bug).
@@ -235,7 +242,13 @@ def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos) -> dict:
                             reference=ref, **kw)
             curve[nb] = sweep.methods[name].tpf
     curve = {nb: curve[nb] for nb in p.eval_block_sizes}
-    return {"rows": rows, "curve": curve, "outputs": ref, "jacobi_tpf": jacobi_tpf,
+    fit_tpf = None
+    if fit:
+        want = [r.tokens for r in eng.generate(fit, DecodeConfig("ar"), max_new_tokens=R, eos_ids=eos)]
+        res = eng.generate(fit, DecodeConfig("jacobi", block_size=p.n2), max_new_tokens=R, eos_ids=eos)
+        assert [r.tokens for r in res] == want, f"{label} jacobi n={p.n2} on training prompts not lossless"
+        fit_tpf = sum(len(r.tokens) for r in res) / sum(r.forwards for r in res)
+    return {"rows": rows, "curve": curve, "outputs": ref, "jacobi_tpf": jacobi_tpf, "fit_tpf": fit_tpf,
             "tf_argmax": None if argmax is None else argmax.tolist()}
 
 
@@ -277,7 +290,8 @@ def _markdown(s) -> str:
     lines = [f"# Jacobi Forcing quickstart ({s['preset']})", "",
              f"{s['eval_prompts']} held-out prompts, up to {s['response_tokens']} new tokens, greedy. "
              f"TPF is over all prompts (batched); TPS is timed at batch 1 on the first {s['timing_prompts']} "
-             "prompts, and speedup = decode TPS / decode TPS of the faster AR of the same model in the same run "
+             f"prompts (one thread, after a warm-up call, fastest of {s.get('timing_rounds', 1)} interleaved "
+             "rounds), and speedup = decode TPS / decode TPS of the faster AR of the same model in the same run "
              f"(this project's AR or {HF_ROW} on the same weights; the fastest AR per model: "
              + ", ".join(sorted({f"{r['model']}: {r['fastest_ar']}" for r in s['rows'] if 'fastest_ar' in r}))
              + "). "
@@ -299,11 +313,20 @@ def _markdown(s) -> str:
         lines.append(f"| {r['model']} | {r['decoder']} | {r['speedup']:.2f}x | {r['tpf']:.2f} | {check} | "
                      f"{r['tps']:.1f} | {r['nll']:.3f} | {100 * r['tf_agreement_with_base']:.1f}% | "
                      f"{100 * r['agreement_with_base']:.1f}% | {r['distinct4']:.3f} | {p1} |")
-    lines += ["", "TPF of vanilla Jacobi by block size n:", "",
-              "| Model | " + " | ".join(f"n={k}" for k in next(iter(s["tpf_by_block_size"].values()))) + " |",
-              "|---|" + "---|" * len(next(iter(s["tpf_by_block_size"].values())))]
+    stats = s.get("output_stats") or {}
+    lines += ["", "TPF of vanilla Jacobi by block size n (held-out prompts), and each model's greedy distinct-2 "
+              "(mean per completion; below 0.1 flags the output as degenerate):", "",
+              "| Model | " + " | ".join(f"n={k}" for k in next(iter(s["tpf_by_block_size"].values())))
+              + " | greedy distinct-2 |",
+              "|---|" + "---|" * (len(next(iter(s["tpf_by_block_size"].values()))) + 1)]
     for m, c in s["tpf_by_block_size"].items():
-        lines.append(f"| {m} | " + " | ".join(f"{v:.2f}" for v in c.values()) + " |")
+        d2 = (stats.get(m) or {}).get("distinct_2")
+        lines.append(f"| {m} | " + " | ".join(f"{v:.2f}" for v in c.values())
+                     + f" | {'-' if d2 is None else f'{d2:.3f}'} |")
+    if s.get("fit_tpf"):
+        lines += ["", f"Jacobi TPF (n={s.get('n')}) on the first {s['fit_prompts']} training prompts (what Jacobi "
+                  "Forcing fit; everything above is on held-out prompts): "
+                  + ", ".join(f"{m} {v:.2f}" for m, v in s["fit_tpf"].items()) + "."]
     return "\n".join(lines) + "\n"
 
 
