@@ -20,7 +20,7 @@ from train_fixtures import make_record, write_shards  # noqa: E402
 def test_parse_run_and_names():
     from megatron_jf.quickstart.sweep import parse_run, run_name
 
-    assert parse_run("lr=3e-5, ar=4") == {"jf_lr": 3e-5, "jf_ar_weight": 4.0}
+    assert parse_run("lr=3e-5, ar=4") == {"jf2_lr": 3e-5, "jf2_ar_weight": 4.0}
     assert run_name(parse_run("ar=4,lr=3e-5,steps=96,anchor=1")) == "lr3e-05_ar4_anchor1_steps96"
     for bad, msg in (("lr=fast", "is not a float"), ("beta=1", "unknown key 'beta'"), ("", "give key=value")):
         with pytest.raises(ValueError, match=msg):
@@ -78,9 +78,50 @@ def test_sweep_trains_each_run_and_measures_it(finished, tmp_path, capsys):
     assert os.path.islink(out / "lr0.001_ar1_anchor0" / "jf1")  # the round-1 model is shared, not copied
     md = (out / "sweep.md").read_text()
     assert "| lr0.001_ar1_anchor0 | 0.001 | 1 | 0 | 4 | " in md and f"({plain['nll'] - base['nll']:+.3f})" in md
+    assert plain["finish"] == (f"python -m megatron_jf.quickstart.pipeline --out {finished} --smoke --jf2-steps 2 "
+                               "--jf2-lr 0.001 --jf2-ar-weight 1 --jf2-anchor-weight 0")
+    assert f"- lr0.001_ar1_anchor0: `{plain['finish']}`" in md
     before = (out / "lr0.001_ar1_anchor0" / "result.json").read_text()
     sweep.main(argv)  # finished runs are skipped
     assert (out / "lr0.001_ar1_anchor0" / "result.json").read_text() == before
     (tmp_path / "preset.json").write_text("{}")
     with pytest.raises(SystemExit, match="has no traj2.done: run the quickstart there up to round 2"):
         sweep.main(["--from", str(tmp_path), "--out", str(out), "--run", "lr=1e-3"])
+
+
+def test_finish_command_resumes_the_run_with_round_2_recipe(tmp_path, monkeypatch, capsys):
+    """A sweep run's finish command is accepted by the work directory it was swept from while its jf2 stage has not
+    started, and round 2 then trains with the run's recipe while round 1 keeps its own; a started jf2 stage, or a
+    change to round 1's recipe, is refused with a line naming what to do."""
+    from megatron_jf.fileio import atomic_write_json
+    from megatron_jf.quickstart import pipeline as P
+    from megatron_jf.quickstart.sweep import finish_command, parse_run
+
+    src = tmp_path / "qs"
+    src.mkdir()
+    atomic_write_json(src / "preset.json", asdict(replace(P.PRESETS["real"], traj2_prompts=192)))
+    for st in ("corpus", "base", "prompts", "traj1", "jf1", "traj2"):
+        (src / f"{st}.done").write_text("{}")
+    cmd = finish_command(src, parse_run("lr=3e-5,ar=4,steps=96"))
+    argv = cmd.split()[3:]
+    assert argv == ["--out", str(src), "--real", "--traj2-prompts", "192", "--jf2-steps", "96", "--jf2-lr", "3e-05",
+                    "--jf2-ar-weight", "4"]
+    seen = []
+    monkeypatch.setattr(P.Pipeline, "execute", lambda self, until=None: seen.append(self))
+    P.main(argv)
+    pre = seen[-1].p
+    assert pre.round_recipe("jf2") == (3e-5, 4.0, 0.0) and pre.round_recipe("jf1") == (1e-4, 1.0, 0.0)
+    assert "jf2_lr: None -> 3e-05 (stage jf2 not run yet)" in capsys.readouterr().out
+    assert P.load_preset(src) == pre  # recorded: the next resume needs the same flags
+    calls = []
+    seen[-1].run = lambda args, stage: calls.append([str(a) for a in args])
+    seen[-1].stage_jf("jf2", "jf1", "traj2", 32, 8, 96)
+    seen[-1].stage_jf("jf1", "base", "traj1", 16, 16, 128)
+    (jf2, jf1) = calls
+    assert (jf2[jf2.index("--lr") + 1], jf2[jf2.index("--ar-weight") + 1]) == ("3e-05", "4.0")
+    assert (jf1[jf1.index("--lr") + 1], jf1[jf1.index("--ar-weight") + 1]) == ("0.0001", "1.0")
+    with pytest.raises(SystemExit, match=r"other preset settings \(jf_lr\)"):
+        P.main([*argv, "--lr", "3e-5"])
+    (src / "jf2").mkdir()
+    with pytest.raises(SystemExit, match=r"started jf2 stage made with other settings \(jf2_lr\); delete .*jf2"):
+        P.main([*argv[:-4], "--jf2-lr", "1e-5", "--jf2-ar-weight", "4"])

@@ -109,6 +109,18 @@ class Preset:
     # collection in bf16 weights (--bf16), on CPUs with AVX-512 BF16 / AMX (megatron_jf.precision). The report stays
     # fp32: it asserts every decoder's output equal to greedy AR, which bf16 rounding can break at near-tied logits.
     precision: str = "fp32"
+    # round 2's own recipe (None: round 1's value). After a round-2 sweep (quickstart/sweep.py) a work directory whose
+    # round 1 is done finishes with the chosen values: they may change while the jf2 stage has not started.
+    jf2_lr: float | None = None
+    jf2_ar_weight: float | None = None
+    jf2_anchor_weight: float | None = None
+
+    def round_recipe(self, stage: str) -> tuple[float, float, float]:
+        """``(peak lr, AR weight, anchor weight)`` of JF round ``stage`` (``"jf1"`` or ``"jf2"``)."""
+        if stage == "jf2":
+            return tuple(r if r is not None else base for r, base in ((self.jf2_lr, self.jf_lr),
+                         (self.jf2_ar_weight, self.jf_ar_weight), (self.jf2_anchor_weight, self.anchor_weight)))
+        return self.jf_lr, self.jf_ar_weight, self.anchor_weight
 
 
 PRESETS = {
@@ -432,15 +444,16 @@ class Pipeline:
     def stage_jf(self, stage: str, init: str, data: str, n: int, w: int, steps: int) -> dict:
         """One Jacobi Forcing round from ``init`` on trajectory shards ``data`` (block n, window w)."""
         p = self.p
+        lr, ar_weight, anchor_weight = p.round_recipe(stage)
         anchor = []
-        if p.anchor_weight > 0:
-            anchor = ["--anchor-data", self.anchor_tokens(), "--anchor-weight", p.anchor_weight,
+        if anchor_weight > 0:
+            anchor = ["--anchor-data", self.anchor_tokens(), "--anchor-weight", anchor_weight,
                       "--anchor-seq-length", p.pretrain_seq, "--anchor-micro-batch-size", p.anchor_mbs]
         self.run(["pretrain_jf.py", "--objective", "jf", *self._train_precision(), "--load", self.path(init),
                   "--data", self.path(data), *anchor,
                   "--block-size", n, "--window-size", w, "--micro-batch-size", p.jf_mbs, "--train-steps", steps,
-                  "--lr", p.jf_lr, "--min-lr", p.jf_lr / 10, "--warmup-steps", max(1, steps // 20),
-                  "--ar-weight", p.jf_ar_weight, "--pc-weight", p.jf_pc_weight, "--save", self.path(stage),
+                  "--lr", lr, "--min-lr", lr / 10, "--warmup-steps", max(1, steps // 20),
+                  "--ar-weight", ar_weight, "--pc-weight", p.jf_pc_weight, "--save", self.path(stage),
                   "--save-interval", max(5, steps // p.jf_saves), "--log-interval", max(1, steps // 20),
                   "--threads", p.threads, "--log-file", self.path(f"{stage}_log.jsonl")], stage)
         return {"block_size": n, "window_size": w, "steps": steps}
@@ -481,6 +494,78 @@ class Pipeline:
         return build_report(self)
 
 
+#: The recipe knobs: preset field -> (command-line flag, type or choices, help). Each is recorded in ``preset.json``.
+RECIPE = {
+    "jf_lr": ("--lr", float, "peak learning rate of the JF rounds (round 2: --jf2-lr when given)"),
+    "jf_ar_weight": ("--ar-weight", float, "weight w of L_AR (paper Eq. 9; round 2: --jf2-ar-weight when given)"),
+    "jf_pc_weight": ("--pc-weight", float, "weight of the consistency loss L_pc (paper Eq. 9; 0: the ablation "
+                                            "without it)"),
+    "anchor_weight": ("--anchor-weight", float, "weight of the real-text anchor term (next-token CE on stdlib "
+                                                "train-split text; 0: off; round 2: --jf2-anchor-weight when given)"),
+    "precision": ("--precision", ("fp32", "bf16"), "training (bf16 autocast, fp32 master weights) and trajectory "
+                  "collection (bf16 weights); bf16 needs a CPU with AVX-512 BF16 or AMX; the report is always fp32"),
+    "traj2_prompts": ("--traj2-prompts", int, "round-2 trajectories: the first N training prompts (0: all)"),
+    "jf2_steps": ("--jf2-steps", int, "round-2 optimizer steps (x the micro-batch: samples)"),
+    "jf2_lr": ("--jf2-lr", float, "round 2's peak learning rate (default: --lr)"),
+    "jf2_ar_weight": ("--jf2-ar-weight", float, "round 2's L_AR weight (default: --ar-weight)"),
+    "jf2_anchor_weight": ("--jf2-anchor-weight", float, "round 2's anchor weight (default: --anchor-weight)"),
+}
+#: Recipe knobs a work directory accepts a change to while the stage named here has not started.
+LATE_RECIPE = {"traj2_prompts": "traj2", "jf2_steps": "jf2", "jf2_lr": "jf2", "jf2_ar_weight": "jf2",
+               "jf2_anchor_weight": "jf2"}
+
+
+def recipe_flags(preset: Preset) -> list[str]:
+    """The command-line flags that select ``preset`` from its named preset (``--real``, then the recipe knobs that
+    differ from it), e.g. ``["--real", "--traj2-prompts", "192", "--jf2-lr", "3e-05"]``."""
+    base = PRESETS[preset.name]
+    out = [] if preset.name == "default" else [f"--{preset.name}"]
+    for field_name, (flag, _, _) in RECIPE.items():
+        if getattr(preset, field_name) != getattr(base, field_name):
+            out += [flag, f"{getattr(preset, field_name):g}" if isinstance(getattr(preset, field_name), float)
+                    else str(getattr(preset, field_name))]
+    return out
+
+
+def load_preset(out: Path) -> Preset:
+    """The preset a work directory was made with (``OUT/preset.json``; settings added since take their defaults).
+
+    Raises:
+        OSError: no ``preset.json`` there.
+        KeyError: it names no known preset.
+    """
+    saved = json.loads((Path(out) / "preset.json").read_text())
+    known = {f.name for f in fields(Preset)}
+    return replace(PRESETS[saved["name"]], **{k: (tuple(v) if isinstance(v, list) else v)
+                                              for k, v in saved.items() if k in known})
+
+
+def _check_resume(out: Path, preset: Preset) -> None:
+    """Refuse a work directory made with other settings (its finished stages would be skipped and mixed with these),
+    except round-2 knobs (:data:`LATE_RECIPE`) whose stage has not started there.
+
+    Raises:
+        SystemExit: the settings differ (names them, and the stage directory to delete where one was started).
+    """
+    prev = json.loads((out / "preset.json").read_text())
+    now = json.loads(json.dumps(asdict(preset)))
+    # a setting added after the directory was made counts as its default (the value the run then used)
+    defaults = json.loads(json.dumps({f.name: f.default for f in fields(Preset) if f.default is not MISSING}))
+    changed = sorted(k for k in set(prev) | set(now) if k != "threads" and prev.get(k, defaults.get(k)) != now.get(k))
+    late = [k for k in changed if k in LATE_RECIPE and not (out / f"{LATE_RECIPE[k]}.done").exists()]
+    started = sorted({LATE_RECIPE[k] for k in late if (out / LATE_RECIPE[k]).exists()})
+    if started:
+        raise SystemExit(f"error: {out} has a started {', '.join(started)} stage made with other settings "
+                         f"({', '.join(late)}); delete {', '.join(str(out / s) for s in started)} to run it with "
+                         "the new ones")
+    refused = [k for k in changed if k not in late]
+    if refused:
+        raise SystemExit(f"error: {out} was made with other preset settings ({', '.join(refused)}); "
+                         "re-run with --fresh to start over, or pass another --out")
+    for k in late:
+        print(f"{k}: {prev.get(k, defaults.get(k))} -> {now.get(k)} (stage {LATE_RECIPE[k]} not run yet)", flush=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``bash examples/quickstart.sh`` (``python -m megatron_jf.quickstart.pipeline``)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -492,18 +577,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=None, help="torch threads per process (default 2)")
     ap.add_argument("--until", default=None, choices=STAGES, help="stop after this stage")
     ap.add_argument("--fresh", action="store_true", help="delete the work directory first")
-    k = ap.add_argument_group("recipe (default: the preset's; a work directory resumes only with the same values)")
-    k.add_argument("--lr", dest="jf_lr", type=float, help="peak learning rate of both JF rounds")
-    k.add_argument("--ar-weight", dest="jf_ar_weight", type=float, help="weight w of L_AR (paper Eq. 9)")
-    k.add_argument("--pc-weight", dest="jf_pc_weight", type=float,
-                   help="weight of the consistency loss L_pc (paper Eq. 9; 0: the ablation without it)")
-    k.add_argument("--anchor-weight", type=float,
-                   help="weight of the real-text anchor term (next-token CE on stdlib train-split text; 0: off)")
-    k.add_argument("--traj2-prompts", type=int, help="round-2 trajectories: the first N training prompts (0: all)")
-    k.add_argument("--jf2-steps", type=int, help="round-2 optimizer steps (x the micro-batch: samples)")
-    k.add_argument("--precision", choices=("fp32", "bf16"),
-                   help="training (bf16 autocast, fp32 master weights) and trajectory collection (bf16 weights); "
-                        "bf16 needs a CPU with AVX-512 BF16 or AMX; the report is always fp32")
+    k = ap.add_argument_group("recipe (default: the preset's; a work directory resumes only with the same values, "
+                              "except that the round-2 ones may change while round 2 has not started)")
+    for field_name, (flag, typ, help_text) in RECIPE.items():
+        kind = {"choices": typ} if isinstance(typ, tuple) else {"type": typ}
+        k.add_argument(flag, dest=field_name, help=help_text, metavar=flag[2:].upper().replace("-", "_"), **kind)
     return ap
 
 
@@ -513,7 +591,7 @@ def main(argv=None):
     preset = PRESETS["smoke" if a.smoke else "real" if a.real else "default"]
     if a.threads:
         preset = replace(preset, threads=a.threads)
-    knobs = ("jf_lr", "jf_ar_weight", "jf_pc_weight", "anchor_weight", "traj2_prompts", "jf2_steps", "precision")
+    knobs = tuple(RECIPE)
     preset = replace(preset, **{f: getattr(a, f) for f in knobs if getattr(a, f) is not None})
     if preset.precision == "bf16":
         from megatron_jf.precision import require_cpu_bf16
@@ -540,17 +618,8 @@ def main(argv=None):
     if changed:
         print(f"recipe changed from the preset ({', '.join(f'{k}={v}' for k, v in changed.items())}): the time above "
               "is the preset's", flush=True)
-    old = out / "preset.json"
-    if old.is_file():  # finished stages of other sizes would be skipped and mixed with these
-        prev = json.loads(old.read_text())
-        now = json.loads(json.dumps(asdict(preset)))
-        # a setting added after the directory was made counts as its default (the value the run then used)
-        defaults = json.loads(json.dumps({f.name: f.default for f in fields(Preset) if f.default is not MISSING}))
-        changed = sorted(k for k in set(prev) | set(now)
-                         if k != "threads" and prev.get(k, defaults.get(k)) != now.get(k))
-        if changed:
-            raise SystemExit(f"error: {out} was made with other preset settings ({', '.join(changed)}); "
-                             "re-run with --fresh to start over, or pass another --out")
+    if (out / "preset.json").is_file():
+        _check_resume(out, preset)
     pipe = Pipeline(out, preset)
     atomic_write_json(out / "preset.json", asdict(preset))
     try:

@@ -14,7 +14,10 @@ Per run, in ``OUT/<run name>/``: ``pretrain_jf.py`` round 2 (n, w of the preset:
 ``FROM/traj2``, then Jacobi TPF at n=32 on the evaluation prompts (``FROM/prompts_eval.jsonl``; output asserted
 equal to greedy AR), held-out NLL (``FROM/tokens_heldout.npy``) and distinct-4 of the AR outputs. The round-1 model
 and the base are measured once as reference rows. ``OUT/sweep.json`` and ``OUT/sweep.md`` hold the table;
-finished runs are skipped when the command is re-run (a killed run resumes from its last checkpoint).
+finished runs are skipped when the command is re-run (a killed run resumes from its last checkpoint). ``sweep.md``
+ends with, per run, the command that finishes ``FROM`` with that run's round-2 recipe (``--jf2-lr``,
+``--jf2-ar-weight``, ``--jf2-anchor-weight``, ``--jf2-steps``: the pipeline accepts a change to them while its jf2
+stage has not started).
 
 ``FROM`` must have finished the ``traj2`` stage (``python -m megatron_jf.quickstart.pipeline --real --until traj2``);
 the sweep reads it and writes only its tokenizer-made anchor text (``tokens_train.npy``) there.
@@ -31,17 +34,17 @@ from pathlib import Path
 
 from megatron_jf.fileio import atomic_write_json, atomic_write_text
 
-__all__ = ["parse_run", "run_name", "sweep", "sweep_markdown"]
+__all__ = ["parse_run", "run_name", "sweep", "sweep_markdown", "finish_command"]
 
 #: What a run directory links from ``--from``.
 _SHARED = ("base", "jf1", "traj2", "prompts_eval.jsonl", "tokens_heldout.npy", "tokens_train.npy", "smollm2_hf",
            "tokenizer")
-_KEYS = {"lr": ("jf_lr", float), "ar": ("jf_ar_weight", float), "anchor": ("anchor_weight", float),
+_KEYS = {"lr": ("jf2_lr", float), "ar": ("jf2_ar_weight", float), "anchor": ("jf2_anchor_weight", float),
          "steps": ("jf2_steps", int)}
 
 
 def parse_run(text: str) -> dict:
-    """``"lr=3e-5,ar=4"`` -> ``{"jf_lr": 3e-05, "jf_ar_weight": 4.0}`` (preset field names).
+    """``"lr=3e-5,ar=4"`` -> ``{"jf2_lr": 3e-05, "jf2_ar_weight": 4.0}`` (preset field names: round 2's recipe).
 
     Raises:
         ValueError: an unknown key, a value that does not parse, or no pair at all.
@@ -116,7 +119,7 @@ def sweep(src: Path, out: Path, runs: list[dict], preset, log=print) -> list[dic
     from .pipeline import Pipeline
 
     _require_finished(src)
-    if any(r.get("anchor_weight", preset.anchor_weight) > 0 for r in runs):
+    if any(replace(preset, **r).round_recipe("jf2")[2] > 0 for r in runs):
         Pipeline(src, preset, log=log).anchor_tokens()  # made once, shared by the runs
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(preset.threads)
@@ -140,8 +143,9 @@ def sweep(src: Path, out: Path, runs: list[dict], preset, log=print) -> list[dic
         if not done.exists():
             _link_shared(src, rdir)
             pipe = Pipeline(rdir, pre, log=log)
-            log(f"[sweep] {name}: round 2, {pre.jf2_steps} steps x {pre.jf_mbs} samples, lr {pre.jf_lr:g}, "
-                f"AR weight {pre.jf_ar_weight:g}, anchor {pre.anchor_weight:g}, {pre.precision}")
+            lr, ar, anchor = pre.round_recipe("jf2")
+            log(f"[sweep] {name}: round 2, {pre.jf2_steps} steps x {pre.jf_mbs} samples, lr {lr:g}, "
+                f"AR weight {ar:g}, anchor {anchor:g}, {pre.precision}")
             t0 = time.time()
             pipe.stage_jf("jf2", "jf1", "traj2", pre.n2, pre.w2, pre.jf2_steps)
             train_s = time.time() - t0
@@ -149,12 +153,24 @@ def sweep(src: Path, out: Path, runs: list[dict], preset, log=print) -> list[dic
             atomic_write_json(done, dict(res, train_s=round(train_s, 1), eval_s=round(time.time() - t0 - train_s, 1),
                                          preset=asdict(pre)))
         r = json.loads(done.read_text())
-        q = r.pop("preset")
-        rows.append(dict(run=name, samples=q["jf2_steps"] * q["jf_mbs"], lr=q["jf_lr"], ar=q["jf_ar_weight"],
-                         anchor=q["anchor_weight"], precision=q["precision"], **r))
+        r.pop("preset")
+        lr, ar, anchor = pre.round_recipe("jf2")
+        rows.append(dict(run=name, samples=pre.jf2_steps * pre.jf_mbs, lr=lr, ar=ar, anchor=anchor,
+                         precision=pre.precision, finish=finish_command(src, over), **r))
     atomic_write_json(out / "sweep.json", rows)
     atomic_write_text(out / "sweep.md", sweep_markdown(rows, preset))
     return rows
+
+
+def finish_command(src: Path, over: dict) -> str:
+    """The quickstart command that finishes the work directory ``src`` -- round 2 and the report -- with a sweep
+    run's round-2 recipe ``over`` (:func:`parse_run`), as the pipeline accepts it there (round 2 not started)."""
+    import shlex
+
+    from .pipeline import load_preset, recipe_flags
+
+    return shlex.join(["python", "-m", "megatron_jf.quickstart.pipeline", "--out", str(src),
+                       *recipe_flags(replace(load_preset(src), **over))])
 
 
 def sweep_markdown(rows: list[dict], preset) -> str:
@@ -171,6 +187,10 @@ def sweep_markdown(rows: list[dict], preset) -> str:
         d4 = "-" if r.get("distinct4") is None else f"{r['distinct4']:.3f}"
         lines.append(f"| {r['run']} | {knobs} | {r['samples']} | {tpf} | {nll} | {d4} | {r.get('train_s', '-')} | "
                      f"{r.get('eval_s', '-')} |")
+    finish = [f"- {r['run']}: `{r['finish']}`" for r in rows if r.get("finish")]
+    if finish:
+        lines += ["", "Finish the quickstart run with a row's round-2 recipe (round 2 and the report, in the run's own "
+                  "directory; round 1 and its trajectories are reused):", "", *finish]
     return "\n".join(lines) + "\n"
 
 
@@ -187,16 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     """CLI entry point (see the module docstring)."""
-    from .pipeline import PRESETS
+    from .pipeline import load_preset
 
     a = build_parser().parse_args(argv)
     src = Path(a.src)
     try:
         _require_finished(src)
-        saved = json.loads((src / "preset.json").read_text())
-        preset = replace(PRESETS[saved["name"]], **{k: (tuple(v) if isinstance(v, list) else v)
-                                                    for k, v in saved.items()})
-        preset = replace(preset, precision=a.precision, threads=a.threads or preset.threads, jf_saves=1)
+        preset = replace(load_preset(src), precision=a.precision, threads=a.threads or preset.threads, jf_saves=1)
         if a.precision == "bf16":
             from megatron_jf.precision import require_cpu_bf16
 
