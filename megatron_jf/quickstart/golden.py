@@ -92,14 +92,15 @@ def run_figures(out: str | Path) -> dict[str, float]:
 
 
 def default_tolerance(name: str, value: float) -> float:
-    """The absolute tolerance a new figure gets in the fixture (edit the file to tighten or widen one): TPF 0.03,
-    distinct-2 0.02, losses and NLL 1% of the value. Sized from a rerun at two torch threads (another reduction
+    """The absolute tolerance a new figure gets in the fixture (edit the file to tighten or widen one): TPF 0.05,
+    distinct-2 0.03, losses and NLL 1% of the value (TPF and distinct-2 leave room for one greedy near-tie decided
+    the other way on another CPU's kernels). Sized from a rerun at two torch threads (another reduction
     order, standing in for another CPU's kernels), which moved losses by ~1e-6 relative and no TPF; a run without
     the consistency loss moves Jacobi TPF on the training prompts by 0.18 (tests/fixtures/README.md)."""
     if "tpf" in name:
-        return 0.03
+        return 0.05
     if "distinct2" in name:
-        return 0.02
+        return 0.03
     return round(0.01 * abs(value), 4)
 
 
