@@ -82,7 +82,7 @@ def test_sweep_trains_each_run_and_measures_it(finished, tmp_path, capsys):
                                "--jf2-lr 0.001 --jf2-ar-weight 1 --jf2-anchor-weight 0")
     assert f"- lr0.001_ar1_anchor0: `{plain['finish']}`" in md
     before = (out / "lr0.001_ar1_anchor0" / "result.json").read_text()
-    sweep.main(argv)  # finished runs are skipped
+    sweep.main(argv[:-2])  # finished runs are skipped (and without --threads the preset's are used)
     assert (out / "lr0.001_ar1_anchor0" / "result.json").read_text() == before
     (tmp_path / "preset.json").write_text("{}")
     with pytest.raises(SystemExit, match="has no traj2.done: run the quickstart there up to round 2"):

@@ -213,7 +213,8 @@ def main(argv=None) -> None:
     src = Path(a.src)
     try:
         _require_finished(src)
-        preset = replace(load_preset(src), precision=a.precision, threads=a.threads or preset.threads, jf_saves=1)
+        preset = load_preset(src)
+        preset = replace(preset, precision=a.precision, threads=a.threads or preset.threads, jf_saves=1)
         if a.precision == "bf16":
             from megatron_jf.precision import require_cpu_bf16
 
