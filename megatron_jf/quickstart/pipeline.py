@@ -116,7 +116,8 @@ class Preset:
     jf2_anchor_weight: float | None = None
 
     def round_recipe(self, stage: str) -> tuple[float, float, float]:
-        """``(peak lr, AR weight, anchor weight)`` of JF round ``stage`` (``"jf1"`` or ``"jf2"``)."""
+        """``(peak lr, AR weight w of paper Eq. 9, anchor weight)`` of JF round ``stage`` (``"jf1"`` or ``"jf2"``; the
+        two rounds of progressive distillation, paper Sec. 4.1)."""
         if stage == "jf2":
             return tuple(r if r is not None else base for r, base in ((self.jf2_lr, self.jf_lr),
                          (self.jf2_ar_weight, self.jf_ar_weight), (self.jf2_anchor_weight, self.anchor_weight)))

@@ -243,11 +243,10 @@ def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos, fit=()) -> dic
             curve[nb] = sweep.methods[name].tpf
     curve = {nb: curve[nb] for nb in p.eval_block_sizes}
     fit_tpf = None
-    if fit:
-        want = [r.tokens for r in eng.generate(fit, DecodeConfig("ar"), max_new_tokens=R, eos_ids=eos)]
-        res = eng.generate(fit, DecodeConfig("jacobi", block_size=p.n2), max_new_tokens=R, eos_ids=eos)
-        assert [r.tokens for r in res] == want, f"{label} jacobi n={p.n2} on training prompts not lossless"
-        fit_tpf = sum(len(r.tokens) for r in res) / sum(r.forwards for r in res)
+    if fit:  # measure() adds the AR reference run and checks the Jacobi output against it
+        name = f"jacobi n={p.n2} (training prompts)"
+        fit_tpf = measure(eng, fit, {name: DecodeConfig("jacobi", block_size=p.n2)}, batch_size=len(fit),
+                          **kw).methods[name].tpf
     return {"rows": rows, "curve": curve, "outputs": ref, "jacobi_tpf": jacobi_tpf, "fit_tpf": fit_tpf,
             "tf_argmax": None if argmax is None else argmax.tolist()}
 
