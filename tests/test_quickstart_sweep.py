@@ -79,14 +79,45 @@ def test_sweep_trains_each_run_and_measures_it(finished, tmp_path, capsys):
     md = (out / "sweep.md").read_text()
     assert "| lr0.001_ar1_anchor0 | 0.001 | 1 | 0 | 4 | " in md and f"({plain['nll'] - base['nll']:+.3f})" in md
     assert plain["finish"] == (f"python -m megatron_jf.quickstart.pipeline --out {finished} --smoke --jf2-steps 2 "
-                               "--jf2-lr 0.001 --jf2-ar-weight 1 --jf2-anchor-weight 0")
+                               f"--jf2-lr 0.001 --jf2-ar-weight 1 --jf2-anchor-weight 0 --jf2-from "
+                               f"{out / 'lr0.001_ar1_anchor0'}")
     assert f"- lr0.001_ar1_anchor0: `{plain['finish']}`" in md
+    assert plain["train_cpu_s"] > 0
     before = (out / "lr0.001_ar1_anchor0" / "result.json").read_text()
     sweep.main(argv[:-2])  # finished runs are skipped (and without --threads the preset's are used)
     assert (out / "lr0.001_ar1_anchor0" / "result.json").read_text() == before
     (tmp_path / "preset.json").write_text("{}")
     with pytest.raises(SystemExit, match="has no traj2.done: run the quickstart there up to round 2"):
         sweep.main(["--from", str(tmp_path), "--out", str(out), "--run", "lr=1e-3"])
+
+    # adopting a run's round 2 (--jf2-from): its checkpoints become the swept directory's jf2 stage, byte for byte
+    from megatron_jf.quickstart.pipeline import load_preset
+
+    run = out / "lr0.001_ar1_anchor1"
+    pre = replace(load_preset(finished), **sweep.parse_run("lr=1e-3,ar=1,anchor=1"))
+    copy = tmp_path / "copy"
+    shutil.copytree(finished, copy, symlinks=True)
+    with pytest.raises(ValueError, match="swept from another work directory: its jf1 is"):
+        sweep.adopt_round2(run, copy, pre)
+    with pytest.raises(ValueError, match=r"other settings \(jf2_anchor_weight=1.0 here 0.0\)"):
+        sweep.adopt_round2(run, finished, replace(pre, jf2_anchor_weight=0.0))
+    sweep.adopt_round2(run, finished, replace(pre, threads=2))  # threads do not change the run
+    files = sorted(p.relative_to(run / "jf2") for p in (run / "jf2").rglob("*") if p.is_file())
+    assert files and files == sorted(p.relative_to(finished / "jf2") for p in (finished / "jf2").rglob("*")
+                                     if p.is_file())
+    assert all((run / "jf2" / f).read_bytes() == (finished / "jf2" / f).read_bytes() for f in files)
+    mark = json.loads((finished / "jf2.done").read_text())
+    assert mark["adopted_from"] == str(run.resolve()) and mark["steps"] == 2 and mark["seconds"] > 0
+    assert not list(finished.glob("*adopt-tmp*"))
+    sweep.adopt_round2(run, finished, pre)  # again: a no-op
+    with pytest.raises(ValueError, match="has a finished jf2 stage of its own"):
+        sweep.adopt_round2(out / "lr0.001_ar1_anchor0", finished, replace(pre, jf2_anchor_weight=0.0))
+    shutil.rmtree(finished / "jf2")
+    (finished / "jf2.done").unlink()
+    (finished / "jf2").mkdir()
+    with pytest.raises(ValueError, match="has a started jf2 stage; delete"):
+        sweep.adopt_round2(run, finished, pre)
+    (finished / "jf2").rmdir()
 
 
 def test_finish_command_resumes_the_run_with_round_2_recipe(tmp_path, monkeypatch, capsys):
@@ -125,3 +156,20 @@ def test_finish_command_resumes_the_run_with_round_2_recipe(tmp_path, monkeypatc
     (src / "jf2").mkdir()
     with pytest.raises(SystemExit, match=r"started jf2 stage made with other settings \(jf2_lr\); delete .*jf2"):
         P.main([*argv[:-4], "--jf2-lr", "1e-5", "--jf2-ar-weight", "4"])
+
+    # --jf2-from: a (here hand-made) sweep run of this recipe becomes the jf2 stage; one of another recipe is refused
+    (src / "jf2").rmdir()
+    run = tmp_path / "sweep" / "run"
+    (run / "jf2").mkdir(parents=True)
+    (run / "jf2" / "weights").write_bytes(b"w")
+    (run / "jf2_log.jsonl").write_text("{}\n")
+    for name in ("jf1", "traj2"):
+        (src / name).mkdir(exist_ok=True)
+        os.symlink(src / name, run / name)
+    atomic_write_json(run / "result.json", {"train_s": 12.5, "preset": asdict(replace(pre, jf2_lr=1e-5))})
+    with pytest.raises(SystemExit, match=r"trained with other settings \(jf2_lr=1e-05 here 3e-05\)"):
+        P.main([*argv, "--jf2-from", str(run)])
+    atomic_write_json(run / "result.json", {"train_s": 12.5, "preset": asdict(replace(pre, threads=1))})
+    P.main([*argv, "--jf2-from", str(run)])
+    assert (src / "jf2" / "weights").read_bytes() == b"w" and (src / "jf2_log.jsonl").read_text() == "{}\n"
+    assert json.loads((src / "jf2.done").read_text())["seconds"] == 12.5

@@ -578,6 +578,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=None, help="torch threads per process (default 2)")
     ap.add_argument("--until", default=None, choices=STAGES, help="stop after this stage")
     ap.add_argument("--fresh", action="store_true", help="delete the work directory first")
+    ap.add_argument("--jf2-from", metavar="SWEEP_RUN", default=None,
+                    help="use a finished round-2 sweep run's checkpoints as the jf2 stage instead of training it again "
+                         "(python -m megatron_jf.quickstart.sweep; give the run's recipe flags too: sweep.md prints "
+                         "the whole command)")
     k = ap.add_argument_group("recipe (default: the preset's; a work directory resumes only with the same values, "
                               "except that the round-2 ones may change while round 2 has not started)")
     for field_name, (flag, typ, help_text) in RECIPE.items():
@@ -623,6 +627,13 @@ def main(argv=None):
         _check_resume(out, preset)
     pipe = Pipeline(out, preset)
     atomic_write_json(out / "preset.json", asdict(preset))
+    if a.jf2_from:
+        from megatron_jf.quickstart.sweep import adopt_round2
+
+        try:
+            adopt_round2(Path(a.jf2_from), out, preset)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
     try:
         pipe.execute(a.until)
     except RuntimeError as e:

@@ -15,9 +15,10 @@ Per run, in ``OUT/<run name>/``: ``pretrain_jf.py`` round 2 (n, w of the preset:
 equal to greedy AR), held-out NLL (``FROM/tokens_heldout.npy``) and distinct-4 of the AR outputs. The round-1 model
 and the base are measured once as reference rows. ``OUT/sweep.json`` and ``OUT/sweep.md`` hold the table;
 finished runs are skipped when the command is re-run (a killed run resumes from its last checkpoint). ``sweep.md``
-ends with, per run, the command that finishes ``FROM`` with that run's round-2 recipe (``--jf2-lr``,
+ends with, per run, the command that finishes ``FROM`` with that run's round 2: its recipe (``--jf2-lr``,
 ``--jf2-ar-weight``, ``--jf2-anchor-weight``, ``--jf2-steps``: the pipeline accepts a change to them while its jf2
-stage has not started).
+stage has not started) and ``--jf2-from RUN``, which copies the run's round-2 checkpoints instead of training them
+again (:func:`adopt_round2`), so the report follows at once.
 
 ``FROM`` must have finished the ``traj2`` stage (``python -m megatron_jf.quickstart.pipeline --real --until traj2``);
 the sweep reads it and writes only its tokenizer-made anchor text (``tokens_train.npy``) there.
@@ -28,17 +29,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
 from megatron_jf.fileio import atomic_write_json, atomic_write_text
 
-__all__ = ["parse_run", "run_name", "sweep", "sweep_markdown", "finish_command"]
+__all__ = ["parse_run", "run_name", "sweep", "sweep_markdown", "finish_command", "adopt_round2"]
 
 #: What a run directory links from ``--from``.
 _SHARED = ("base", "jf1", "traj2", "prompts_eval.jsonl", "tokens_heldout.npy", "tokens_train.npy", "smollm2_hf",
            "tokenizer")
+#: Preset fields that do not change the weights a round-2 run trains (a run made with other values is the same run).
+_NOT_RECIPE = ("threads", "jf_saves")
 _KEYS = {"lr": ("jf2_lr", float), "ar": ("jf2_ar_weight", float), "anchor": ("jf2_anchor_weight", float),
          "steps": ("jf2_steps", int)}
 
@@ -116,7 +120,7 @@ def sweep(src: Path, out: Path, runs: list[dict], preset, log=print) -> list[dic
     from megatron_jf import parallel
     from megatron_jf.tokenizer import load_tokenizer
 
-    from .pipeline import Pipeline
+    from .pipeline import Pipeline, _cpu_seconds
 
     _require_finished(src)
     if any(replace(preset, **r).round_recipe("jf2")[2] > 0 for r in runs):
@@ -146,31 +150,81 @@ def sweep(src: Path, out: Path, runs: list[dict], preset, log=print) -> list[dic
             lr, ar, anchor = pre.round_recipe("jf2")
             log(f"[sweep] {name}: round 2, {pre.jf2_steps} steps x {pre.jf_mbs} samples, lr {lr:g}, "
                 f"AR weight {ar:g}, anchor {anchor:g}, {pre.precision}")
-            t0 = time.time()
+            t0, cpu0 = time.time(), _cpu_seconds()
             pipe.stage_jf("jf2", "jf1", "traj2", pre.n2, pre.w2, pre.jf2_steps)
-            train_s = time.time() - t0
+            train_s, train_cpu_s = time.time() - t0, _cpu_seconds() - cpu0
             res = _measure(pipe, "jf2", prompts, eos, held)
-            atomic_write_json(done, dict(res, train_s=round(train_s, 1), eval_s=round(time.time() - t0 - train_s, 1),
-                                         preset=asdict(pre)))
+            atomic_write_json(done, dict(res, train_s=round(train_s, 1), train_cpu_s=round(train_cpu_s, 1),
+                                         eval_s=round(time.time() - t0 - train_s, 1), preset=asdict(pre)))
         r = json.loads(done.read_text())
         r.pop("preset")
         lr, ar, anchor = pre.round_recipe("jf2")
         rows.append(dict(run=name, samples=pre.jf2_steps * pre.jf_mbs, lr=lr, ar=ar, anchor=anchor,
-                         precision=pre.precision, finish=finish_command(src, over), **r))
+                         precision=pre.precision, finish=finish_command(src, over, rdir), **r))
     atomic_write_json(out / "sweep.json", rows)
     atomic_write_text(out / "sweep.md", sweep_markdown(rows, preset))
     return rows
 
 
-def finish_command(src: Path, over: dict) -> str:
+def finish_command(src: Path, over: dict, run: Path | None = None) -> str:
     """The quickstart command that finishes the work directory ``src`` -- round 2 and the report -- with a sweep
-    run's round-2 recipe ``over`` (:func:`parse_run`), as the pipeline accepts it there (round 2 not started)."""
+    run's round-2 recipe ``over`` (:func:`parse_run`), as the pipeline accepts it there (round 2 not started); with
+    the sweep run's directory ``run``, round 2 is not trained again: ``--jf2-from run`` (:func:`adopt_round2`)."""
     import shlex
 
     from .pipeline import load_preset, recipe_flags
 
     return shlex.join(["python", "-m", "megatron_jf.quickstart.pipeline", "--out", str(src),
-                       *recipe_flags(replace(load_preset(src), **over))])
+                       *recipe_flags(replace(load_preset(src), **over)),
+                       *(["--jf2-from", str(run)] if run is not None else [])])
+
+
+def adopt_round2(run: Path, out: Path, preset, log=print) -> None:
+    """Use sweep run ``run``'s round 2 as work directory ``out``'s ``jf2`` stage instead of training the same round 2
+    again (``python -m megatron_jf.quickstart.pipeline ... --jf2-from RUN``): ``run/jf2`` (every saved checkpoint,
+    so the learning curve has its points) and ``run/jf2_log.jsonl`` are copied into ``out`` under temporary names and
+    renamed, and the stage is marked done with the run's training time and ``adopted_from``. Doing it again with the
+    same run is a no-op.
+
+    Raises:
+        ValueError: ``run`` is not a finished sweep run; it was swept from another directory (other round-1 model or
+            trajectories); it was trained with settings other than ``preset`` (named; :data:`_NOT_RECIPE` aside);
+            or ``out``'s jf2 stage was started or finished otherwise.
+    """
+    run, out = Path(run), Path(out)
+    res_path = run / "result.json"
+    if not res_path.is_file() or not (run / "jf2").is_dir():
+        raise ValueError(f"{run} is not a finished sweep run (no result.json and jf2/ there)")
+    for name in ("jf1", "traj2"):
+        if (run / name).resolve() != (out / name).resolve():
+            raise ValueError(f"{run} was swept from another work directory: its {name} is {(run / name).resolve()}, "
+                             f"not {(out / name).resolve()}")
+    res = json.loads(res_path.read_text())
+    ours = json.loads(json.dumps(asdict(preset)))
+    theirs = res["preset"]
+    diff = sorted(k for k in set(ours) | set(theirs) if k not in _NOT_RECIPE and ours.get(k) != theirs.get(k))
+    if diff:
+        raise ValueError(f"{run} was trained with other settings ("
+                         + ", ".join(f"{k}={theirs.get(k)} here {ours.get(k)}" for k in diff)
+                         + "): pass the run's flags (its finish command in sweep.md)")
+    marker = out / "jf2.done"
+    if marker.is_file():
+        if json.loads(marker.read_text()).get("adopted_from") == str(run.resolve()):
+            return
+        raise ValueError(f"{out} has a finished jf2 stage of its own; delete {out / 'jf2'} and {marker} to use "
+                         f"{run}'s instead")
+    if (out / "jf2").exists():
+        raise ValueError(f"{out} has a started jf2 stage; delete {out / 'jf2'} to use {run}'s instead")
+    for name in ("jf2", "jf2_log.jsonl"):
+        tmp = out / f"{name}.adopt-tmp"
+        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+        (shutil.copytree if name == "jf2" else shutil.copy2)(run / name, tmp)
+        os.replace(tmp, out / name)
+    atomic_write_json(marker, {"block_size": preset.n2, "window_size": preset.w2, "steps": preset.jf2_steps,
+                               "seconds": res["train_s"], **({"cpu_seconds": res["train_cpu_s"]}
+                                                             if "train_cpu_s" in res else {}),
+                               "adopted_from": str(run.resolve())})
+    log(f"[jf2] using the sweep run {run} (round 2 trained there with this recipe in {res['train_s']:.0f} s)")
 
 
 def sweep_markdown(rows: list[dict], preset) -> str:
@@ -189,8 +243,9 @@ def sweep_markdown(rows: list[dict], preset) -> str:
                      f"{r.get('eval_s', '-')} |")
     finish = [f"- {r['run']}: `{r['finish']}`" for r in rows if r.get("finish")]
     if finish:
-        lines += ["", "Finish the quickstart run with a row's round-2 recipe (round 2 and the report, in the run's own "
-                  "directory; round 1 and its trajectories are reused):", "", *finish]
+        lines += ["", "Finish the quickstart run with a row's round 2 (the report, in the swept work directory, on that "
+                  "run's round-2 checkpoints, which are copied there; without `--jf2-from` round 2 is trained again "
+                  "there with the row's recipe):", "", *finish]
     return "\n".join(lines) + "\n"
 
 
@@ -214,7 +269,7 @@ def main(argv=None) -> None:
     try:
         _require_finished(src)
         preset = load_preset(src)
-        preset = replace(preset, precision=a.precision, threads=a.threads or preset.threads, jf_saves=1)
+        preset = replace(preset, precision=a.precision, threads=a.threads or preset.threads)
         if a.precision == "bf16":
             from megatron_jf.precision import require_cpu_bf16
 
