@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job: Jacobi Forcing end to end on this CPU (see README "Quickstart").
-#   bash examples/quickstart.sh            # model A, about 27 min on 2 cores
+#   bash examples/quickstart.sh            # model A, about 1 h on 2 cores (6,240 CPU-seconds measured)
 #   bash examples/quickstart.sh --smoke    # tiny sizes, ~8 min on one core (CI checks its figures: tests/fixtures/README.md)
 #   bash examples/quickstart.sh --real     # model B: SmolLM2-135M-Instruct, ~2 h on 2 idle cores (measured 1 h 57 min)
 #                                          # (Jacobi Forcing on 352 samples; learning curve in the report)

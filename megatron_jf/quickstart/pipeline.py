@@ -625,7 +625,8 @@ def main(argv=None):
               "learning curve 43 min; docs/quickstart_real/). A loaded machine takes proportionally longer.",
               flush=True)
     elif preset.name == "default":
-        print("default preset: model A end to end, about 27 minutes on an idle 2-core CPU.", flush=True)
+        print("default preset: model A end to end, about 1 hour on 2 CPU cores (6,240 CPU-seconds measured on a fresh "
+              "clone; pretraining is a third of it; docs/quickstart_default/).", flush=True)
     changed = {f: getattr(preset, f) for f in knobs if getattr(preset, f) != getattr(PRESETS[preset.name], f)}
     if changed:
         print(f"recipe changed from the preset ({', '.join(f'{k}={v}' for k, v in changed.items())}): the time above "
