@@ -35,6 +35,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from megatron_jf.fileio import atomic_write_json, atomic_write_text
+from megatron_jf.quickstart.costs import cpu_seconds
 
 REPO = Path(__file__).resolve().parents[2]
 #: Anchor-term text made for model B (``Pipeline.anchor_tokens``): 176 steps x 4 rows x 256 tokens is 0.18 M.
@@ -170,15 +171,6 @@ def vllm_python() -> str | None:
     return py if probe.returncode == 0 else None
 
 
-def _cpu_seconds() -> float:
-    """User + system CPU seconds of this process and its finished subprocesses (on a machine shared with other
-    jobs, wall seconds say how busy the machine was; CPU seconds what the stage cost)."""
-    import resource
-
-    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
-                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
-
-
 class Pipeline:
     """Runs the stages in order, skipping finished ones. See the module docstring."""
 
@@ -229,11 +221,11 @@ class Pipeline:
             if self.done(name):
                 self.log(f"[{name}] done earlier, skipping")
             else:
-                ts, cpu0 = time.time(), _cpu_seconds()
+                ts, cpu0 = time.time(), cpu_seconds()
                 self.log(f"[{name}] starting")
                 info = fn() or {}
                 info["seconds"] = round(time.time() - ts, 1)
-                info["cpu_seconds"] = round(_cpu_seconds() - cpu0, 1)  # this process and its subprocesses
+                info["cpu_seconds"] = round(cpu_seconds() - cpu0, 1)  # this process and its subprocesses
                 self.mark(name, info)
                 self.log(f"[{name}] finished in {info['seconds']:.0f} s ({info['cpu_seconds']:.0f} CPU s)")
             if name == until:

@@ -120,7 +120,8 @@ def sweep(src: Path, out: Path, runs: list[dict], preset, log=print) -> list[dic
     from megatron_jf import parallel
     from megatron_jf.tokenizer import load_tokenizer
 
-    from .pipeline import Pipeline, _cpu_seconds
+    from .costs import cpu_seconds
+    from .pipeline import Pipeline
 
     _require_finished(src)
     if any(replace(preset, **r).round_recipe("jf2")[2] > 0 for r in runs):
@@ -150,9 +151,9 @@ def sweep(src: Path, out: Path, runs: list[dict], preset, log=print) -> list[dic
             lr, ar, anchor = pre.round_recipe("jf2")
             log(f"[sweep] {name}: round 2, {pre.jf2_steps} steps x {pre.jf_mbs} samples, lr {lr:g}, "
                 f"AR weight {ar:g}, anchor {anchor:g}, {pre.precision}")
-            t0, cpu0 = time.time(), _cpu_seconds()
+            t0, cpu0 = time.time(), cpu_seconds()
             pipe.stage_jf("jf2", "jf1", "traj2", pre.n2, pre.w2, pre.jf2_steps)
-            train_s, train_cpu_s = time.time() - t0, _cpu_seconds() - cpu0
+            train_s, train_cpu_s = time.time() - t0, cpu_seconds() - cpu0
             res = _measure(pipe, "jf2", prompts, eos, held)
             atomic_write_json(done, dict(res, train_s=round(train_s, 1), train_cpu_s=round(train_cpu_s, 1),
                                          eval_s=round(time.time() - t0 - train_s, 1), preset=asdict(pre)))
@@ -180,8 +181,8 @@ def finish_command(src: Path, over: dict, run: Path | None = None) -> str:
 
 
 def adopt_round2(run: Path, out: Path, preset, log=print) -> None:
-    """Use sweep run ``run``'s round 2 as work directory ``out``'s ``jf2`` stage instead of training the same round 2
-    again (``python -m megatron_jf.quickstart.pipeline ... --jf2-from RUN``): ``run/jf2`` (every saved checkpoint,
+    """Use sweep run ``run``'s round 2 (progressive distillation's second round, n=32 / w=8; paper Sec. 4.1) as work
+    directory ``out``'s ``jf2`` stage instead of training the same round 2 again (``python -m megatron_jf.quickstart.pipeline ... --jf2-from RUN``): ``run/jf2`` (every saved checkpoint,
     so the learning curve has its points) and ``run/jf2_log.jsonl`` are copied into ``out`` under temporary names and
     renamed, and the stage is marked done with the run's training time and ``adopted_from``. Doing it again with the
     same run is a no-op.
