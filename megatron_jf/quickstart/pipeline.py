@@ -35,6 +35,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from megatron_jf.fileio import atomic_write_json, atomic_write_text
+from megatron_jf.cpu_numerics import cpu_numerics, pin_command
 from megatron_jf.quickstart.costs import cpu_seconds
 
 REPO = Path(__file__).resolve().parents[2]
@@ -226,6 +227,7 @@ class Pipeline:
                 info = fn() or {}
                 info["seconds"] = round(time.time() - ts, 1)
                 info["cpu_seconds"] = round(cpu_seconds() - cpu0, 1)  # this process and its subprocesses
+                info["cpu_numerics"] = cpu_numerics()  # the kernels' code path (the stages inherit this env)
                 self.mark(name, info)
                 self.log(f"[{name}] finished in {info['seconds']:.0f} s ({info['cpu_seconds']:.0f} CPU s)")
             if name == until:
@@ -568,10 +570,18 @@ def _check_resume(out: Path, preset: Preset) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``bash examples/quickstart.sh`` (``python -m megatron_jf.quickstart.pipeline``)."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"CI's figures: CI runs `--smoke --threads 1` with the CPU kernels pinned to AVX2 ({pin_command()}, "
+               "megatron_jf/cpu_numerics.py) and compares them with tests/fixtures/quickstart_smoke_golden.json. "
+               "To reproduce them on any x86 CPU: "
+               f"`{pin_command()} bash examples/quickstart.sh --smoke --threads 1 --out runs/smoke`, then "
+               "`python -m megatron_jf.quickstart.golden runs/smoke --compare tests/fixtures/quickstart_smoke_golden.json`. "
+               "Unpinned, an AVX-512 CPU takes other kernels and its figures can differ by a greedy near-tie.")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--smoke", action="store_true",
-                   help="tiny sizes, ~8 min on one core (CI runs it and compares its figures with golden values)")
+                   help="tiny sizes, ~8 min on one core (CI runs it pinned to AVX2 kernels and compares its figures "
+                        "with golden values: see the end of this help)")
     g.add_argument("--real", action="store_true", help="model B: SmolLM2-135M-Instruct (~2 h on 2 idle cores)")
     ap.add_argument("--out", default=None, help="work directory (default runs/quickstart-<preset>)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads per process (default 2)")
