@@ -37,7 +37,7 @@ from random import Random
 from typing import Callable, Iterable
 
 __all__ = ["Problem", "Splits", "usable_templates", "generators", "generate", "make_splits", "final_answer",
-           "answers_match", "arithmetic_steps"]
+           "answers_match", "arithmetic_steps", "arithmetic_drills"]
 
 PACKAGE = "reasoning_gym"
 _GEN_DIR = ("arithmetic", "gsm_symbolic")
@@ -283,3 +283,46 @@ def arithmetic_steps(text: str) -> tuple[int, int]:
                                                                             -(-val.numerator // val.denominator))
         right += int(close or rounded or bracket)
     return right, total
+
+
+_BINARY = re.compile(r"(?<![\d.,$])(\d+)( ?)([-+*/x×÷])( ?)(\d+)( ?)=( ?)(\d+)(?![\d.])")
+
+
+def arithmetic_drills(problems: Iterable[Problem], count: int, *, seed: int = 0, per_document: int = 16) -> list[str]:
+    """Arithmetic practice documents in the chains' own style: ``count`` equations ``a op b = c``, ``per_document``
+    to a document (one per line), each made from an integer step of ``problems``' ground-truth chains by drawing
+    new operands with the same numbers of digits (same operator, same spacing); a division is drawn as
+    ``(b * q) / b = q`` so it is exact, a subtraction never goes below zero.
+
+    Mixed into the pretraining text, they give a small model the arithmetic the chains need far more often than
+    the problems themselves do (the quickstart's base model: step accuracy, exact answers).
+
+    Raises:
+        ValueError: ``count < 0``, ``per_document < 1``, or no integer step in ``problems``.
+    """
+    if count < 0 or per_document < 1:
+        raise ValueError(f"need count >= 0 and per_document >= 1, got {count}, {per_document}")
+    steps = [m.groups() for p in problems for m in _BINARY.finditer(p.chain)]
+    if not steps:
+        raise ValueError("no integer step a op b = c in the given problems")
+    rng = Random(seed)
+
+    def draw(digits: int) -> int:
+        return rng.randint(10 ** (digits - 1), 10 ** digits - 1)
+
+    lines = []
+    for _ in range(count):
+        a, s1, op, s2, b, s3, s4, c = rng.choice(steps)
+        x, y = draw(len(a)), draw(len(b))
+        sym = _OPS.get(op, op)
+        if sym == "/":
+            y = max(y, 1)
+            q = draw(len(c))
+            x, z = y * q, q
+        elif sym == "-":
+            x, y = max(x, y), min(x, y)
+            z = x - y
+        else:
+            z = x + y if sym == "+" else x * y
+        lines.append(f"{x}{s1}{op}{s2}{y}{s3}={s4}{z}")
+    return ["\n".join(lines[i:i + per_document]) for i in range(0, len(lines), per_document)]
