@@ -141,6 +141,13 @@ def _run_batch(proposer, requests, max_tokens):
     return out, drafts_seen
 
 
+def _ar(prompt, n):
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(_f(seq))
+    return seq[len(prompt):]
+
+
 @pytest.mark.parametrize("method", ["jacobi", "mr"])
 def test_proposer_keeps_each_request_on_its_own_trajectory(method):
     """Three requests sharing the proposer (one joining late, one prefilled in two chunks): each request's output
@@ -165,3 +172,45 @@ def test_proposer_keeps_each_request_on_its_own_trajectory(method):
                                            for j in range(30)]
         assert drafts[r["id"]][: len(ref_drafts)] == ref_drafts
     assert proposer.states == {}  # finished requests are forgotten
+
+
+# ------------------------------------------------ MR with K >= 3 when vLLM verifies less than the policy drafted
+def _mr(K, n=4, r=0.5):
+    return {"method": "mr", "num_speculative_tokens": K * n, "num_blocks": K, "spawn_threshold": r}
+
+
+@pytest.mark.parametrize("K", [3, 4])
+def test_mr_policy_under_truncated_verification(K):
+    """MR's update after a forward that verified only a prefix of the draft (vLLM's token budget, max_model_len,
+    structured output, preemption: ``g`` has ``m + 1 <= len(draft)`` predictions), 300 steps with random cuts: no
+    IndexError (before the fix: the pseudo-active block's stable count read ``g`` past its end, within the first 10
+    steps here), the output is greedy AR, the draft always covers exactly the blocks in flight, and the positions
+    the forward did not predict keep their guesses."""
+    import random
+
+    from megatron_jf.decoding import Outcome, accepted_prefix
+
+    pol = policy_for(decode_config(_mr(K)), linear=True)
+    prompt = [3, 1, 4]
+    st = pol.new_state(prompt, 0)
+    ctx = prompt + [_f(prompt)]
+    rnd = random.Random(K)
+    exercised = 0
+    for step in range(300):
+        d = list(pol.propose(st, ctx).draft)
+        end, pseudo_active = st.blocks[-1], len(st.blocks) > 1  # where the blocks in flight end; a 2nd in flight
+        m = min(rnd.choice([0, 1, 2, 3, len(d), len(d)]), len(d))
+        g = _predict(ctx + d[:m], len(ctx) - 1)  # m + 1 predictions: the verified prefix and the bonus
+        k = accepted_prefix(d[:m], g)
+        emitted = d[:k] + [g[k]]
+        ctx = ctx + emitted
+        pol.observe(st, ctx, Outcome(g, emitted, len(emitted) - 1))
+        e = len(ctx) - len(prompt)
+        assert len(st.draft) == st.blocks[-1] - e and all(b > e for b in st.blocks)
+        if len(g) < len(d) and len(emitted) < len(g):  # unpredicted positions (up to the blocks' end) keep guesses
+            j = len(g) - len(emitted)  # where old position len(g) is in the new draft
+            kept = d[len(g):][: max(0, end - e - j)]
+            assert st.draft[j: j + len(kept)] == kept
+        exercised += pseudo_active and m < len(d)
+    assert ctx[len(prompt):] == _ar(prompt, len(ctx) - len(prompt))
+    assert exercised > 50  # cut verifications while a pseudo-active block was in flight (the path that raised)
