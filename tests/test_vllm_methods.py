@@ -123,7 +123,8 @@ def test_untested_vllm_version_fails_with_one_clear_line(monkeypatch):
     with pytest.raises(vllm_internals.UnsupportedVLLMError) as e:
         vllm_internals.check_version("0.33.1")
     msg = str(e.value)
-    assert "\n" not in msg and "vLLM 0.33.1 is not supported" in msg and "0.32.0" in msg and "JF_VLLM_UNTESTED_OK" in msg
+    assert "\n" not in msg and "vLLM 0.33.1 is not supported" in msg
+    assert "0.32.0" in msg and "JF_VLLM_UNTESTED_OK" in msg
     assert vllm_internals.check_version("0.32.0") == "0.32.0"
     monkeypatch.setenv(vllm_internals.UNTESTED_OK_ENV, "1")
     assert vllm_internals.check_version("0.33.1") == "0.33.1"
@@ -147,7 +148,7 @@ def _predict(tokens, start):
     return [_f(tokens[: j + 1]) for j in range(start, len(tokens))]
 
 
-def _run_batch(proposer, requests, max_tokens, *, cut=None, skip=(), preempt=None):
+def _run_batch(proposer, requests, max_tokens, *, cut=None, skip=(), preempt=None, verified=None):
     """A stand-in for vLLM's runner loop around the proposer: requests join at given steps (a prefill chunk first
     when marked), each step verifies every row's pending draft greedily against ``_f`` and hands the proposer a
     BatchView; finished requests are reported in the next step. Returns per request the output and the drafts
@@ -157,7 +158,8 @@ def _run_batch(proposer, requests, max_tokens, *, cut=None, skip=(), preempt=Non
     verified (a prefix: token budget, max_model_len, structured output); after each step in ``skip`` the proposer
     is not called and every row's next draft is zeros (vLLM when a row is too close to max_model_len);
     ``preempt[id] = (first, last)``: the request is out of the batch for those steps and then recomputed (a prefill
-    that emits one token and verifies no draft)."""
+    that emits one token and verifies no draft). ``verified``, a dict: filled with ``(request id, context length
+    after the step) -> the draft tokens verified``."""
     import numpy as np
 
     k_max = proposer.max_draft
@@ -193,6 +195,8 @@ def _run_batch(proposer, requests, max_tokens, *, cut=None, skip=(), preempt=Non
             full = req["prompt"] + out[rid]
             tok[i, : len(full)] = full
             num[i] = len(full)
+            if verified is not None:
+                verified[rid, len(full)] = list(draft)
         view = vllm_internals.BatchView(req_ids=rows, prompt_lens=[len(next(r for r in requests if r["id"] == x)
                                                                        ["prompt"]) for x in rows],
                                         seeds=[None] * len(rows),
@@ -316,3 +320,32 @@ def test_mr_proposer_when_vllm_cuts_skips_and_preempts(K):
     assert all(d == [] for d in drafts["d"]) and all(len(d) <= 2 * K for d in drafts["e"])
     assert max(len(d) for d in drafts["a"]) > 4  # pseudo-active blocks were drafted (and cut)
     assert proposer.live_states() == 0
+
+
+def test_proposer_updates_from_the_draft_vllm_verified():
+    """MR's update is made from the draft vLLM verified, at the positions it verified: its own draft when vLLM
+    verified it or a prefix of it, and the zeros vLLM drafted itself in the steps after it skipped the proposer
+    (without adopting them, the update would compare predictions with a stale draft at other positions)."""
+    from megatron_jf.decoding import MRPolicy
+
+    seen = []
+
+    class Spy(MRPolicy):
+        def observe(self, state, context, outcome):
+            seen.append((len(context), list(state.draft)))
+            super().observe(state, context, outcome)
+
+    spec = _mr(3)
+    proposer = _proposer(spec)
+    proposer.policy = Spy(decode_config(spec), linear=True)
+    verified = {}
+    skip = {5, 14, 30}
+    out, _ = _run_batch(proposer, [{"id": "a", "prompt": [3, 1, 4], "join": 0}], 60,
+                        cut=lambda step, rid, d: len(d) if step % 3 else 2, skip=skip, verified=verified)
+    assert out["a"] == _ar([3, 1, 4], 60) and len(seen) > 20
+    adopted = 0
+    for n_ctx, draft in seen:
+        v = verified["a", n_ctx]
+        assert draft[: len(v)] == v, (n_ctx, draft, v)
+        adopted += v == [0] * len(v) and len(v) > 0 and draft == v
+    assert adopted == len(skip)  # one step after each skipped one verified vLLM's zeros, adopted whole
