@@ -29,7 +29,8 @@ class DecodeConfig:
             trajectories are initialised) or ``repeat`` (the last token repeated).
 
     Raises:
-        ValueError: unknown decoder or draft init, n < 1, K < 1, r outside (0, 1], verification size < 1.
+        ValueError: unknown decoder or draft init, n < 1, K < 1, r outside (0, 1], verification size < 1, n-gram
+            pool size < 1.
     """
 
     decoder: str = "ar"
@@ -51,6 +52,8 @@ class DecodeConfig:
             raise ValueError(f"spawn threshold r must be in (0, 1], got {self.spawn_threshold}")
         if self.verification_size < 1:
             raise ValueError(f"verification size must be >= 1, got {self.verification_size}")
+        if self.ngram_pool_size < 1:
+            raise ValueError(f"n-gram pool size must be >= 1, got {self.ngram_pool_size}")
         if self.draft_init not in DRAFT_INITS:
             raise ValueError(f"unknown draft init {self.draft_init!r}; choose one of {', '.join(DRAFT_INITS)}")
         if self.decoder == "mr" and self.num_blocks > 1 and math.ceil(self.spawn_threshold * self.block_size) >= self.block_size:

@@ -111,15 +111,19 @@ class MRPolicy(Policy):
         shift = len(outcome.emitted)
         old_e = e - shift
         old_draft = state.draft  # old_draft[j] guessed output index old_e + j; g[j] is this forward's prediction
+        # positions this forward predicted: the whole draft, or a prefix when a linear verifier checked only part of
+        # it (vLLM: its token budget, max_model_len, structured output, preemption); the rest keep their guesses
+        checked = min(len(old_draft), len(g))
         k_main = accepted_prefix(old_draft, g)
-        if k_main < len(old_draft):  # step 3's rejected tail feeds the n-gram pool
+        if k_main < checked:  # step 3's rejected tail feeds the n-gram pool
             state.pool.add_rejected(old_draft[k_main - 1] if k_main else context[P + old_e - 1], old_draft[k_main:])
         blocks = [b for b in state.blocks if b > e]  # step 7: blocks the output passed retire
         spare = g[len(old_draft)] if blocks and blocks[-1] == state.blocks[-1] and len(g) > len(old_draft) else None
         if not blocks:
             blocks = [(e // n + 1) * n]
         total = blocks[-1] - e
-        nxt = g[shift: len(old_draft)][:total]  # step 4: the Jacobi update, past the emitted tokens
+        # step 4: the Jacobi update, past the emitted tokens
+        nxt = (g[shift: len(old_draft)] + old_draft[len(g):])[:total]
         state.draft = nxt + self.init(state, context, total - len(nxt))
         state.blocks = blocks
         if len(blocks) >= self.cfg.num_blocks:
@@ -130,7 +134,7 @@ class MRPolicy(Policy):
         else:  # pseudo-active block: leading tokens the model reproduced this forward
             lo = start - old_e
             stable = 0
-            while lo + stable < len(old_draft) and old_draft[lo + stable] == g[lo + stable]:
+            while lo + stable < checked and old_draft[lo + stable] == g[lo + stable]:
                 stable += 1
         if stable >= self.spawn_at:  # step 6: spawn a pseudo-active block after the newest one
             head = [spare] if spare is not None else []

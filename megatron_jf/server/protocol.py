@@ -227,7 +227,8 @@ def _decode_config(jf, default: DecodeConfig) -> DecodeConfig:
         field = next((f"jf.{k}" for k, words in (("decoder", "decoder"), ("draft_init", "draft init"),
                                                   ("block_size", "block size"), ("num_blocks", "blocks K"),
                                                   ("spawn_threshold", "threshold"),
-                                                  ("verification_size", "verification"))
+                                                  ("verification_size", "verification"),
+                                                  ("ngram_pool_size", "pool size"))
                       if words in msg), "jf")
         raise RequestError(field, msg) from None
 
