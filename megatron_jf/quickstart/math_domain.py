@@ -73,6 +73,8 @@ def stage_corpus(pipe) -> dict:
         batch = 0
         while drill_tokens < want:
             for d in arithmetic_drills(s.pretrain, 1024, seed=batch):
+                if drill_tokens >= want:
+                    break
                 ids = tok.encode(d)
                 docs.append(ids)
                 drill_tokens += len(ids) + 1
