@@ -90,3 +90,32 @@ def test_quality_counts_answers_and_steps():
     texts = {1: " 3*2=6 so 6+1=7\n#### 7", 2: " 5-1=3\n#### 3", 3: " no steps\n#### 10"}
     q = quality(outs, ["7", "4", "10"], lambda t: texts[t[0]])["m"]
     assert q == {"accuracy": 2 / 3, "correct": 2, "problems": 3, "step_accuracy": 2 / 3, "steps": 3}
+
+
+def test_answer_nll_equals_transformers_on_the_answer_tokens(mp1):
+    """The report's in-domain NLL: answer tokens (and the final EOS) given the question, batched with padding,
+    against transformers' log-probabilities of the same weights, one problem at a time."""
+    import torch
+
+    from megatron_jf.quickstart.report import answer_nll
+    from megatron_jf.testing import tiny_hf_model
+    from tests.test_collect import _mcore
+
+    hf = tiny_hf_model(seed=11).eval()
+    model = _mcore(hf)
+    g = torch.Generator().manual_seed(0)
+    rows = [{"prompt_ids": torch.randint(3, 256, (p,), generator=g).tolist(),
+             "response_ids": torch.randint(3, 256, (r,), generator=g).tolist()} for p, r in ((5, 7), (9, 3), (2, 11))]
+    nll, argmax = answer_nll(model, rows, eos=2, batch=2)
+    total, count, want_argmax = 0.0, 0, []
+    for r in rows:
+        ids = torch.tensor([r["prompt_ids"] + r["response_ids"] + [2]])
+        with torch.no_grad():
+            lp = torch.log_softmax(hf(ids).logits[0].double(), -1)
+        P = len(r["prompt_ids"])
+        tgt = ids[0, P:]
+        total -= float(lp[torch.arange(P - 1, ids.shape[1] - 1), tgt].sum())
+        count += tgt.numel()
+        want_argmax += lp[P - 1: ids.shape[1] - 1].argmax(-1).tolist()
+    assert abs(nll - total / count) < 1e-4 and count == 7 + 3 + 11 + 3
+    assert argmax.tolist() == want_argmax

@@ -8,11 +8,12 @@ Stages (called by :class:`megatron_jf.quickstart.pipeline.Pipeline` in place of 
   ranges) saved to ``problems.jsonl``; a byte-level BPE on the pretraining problems' text; the pretraining stream
   ``tokens_train.npy`` (problems, plus arithmetic drills in the chains' own style for ``Preset.drill_fraction`` of
   the tokens, :func:`~megatron_jf.data.gsm_symbolic.arithmetic_drills`, documents shuffled); ``tokens_heldout.npy``:
-  the held-out problems' ground-truth text (the in-domain held-out NLL); ``tokens_gt_train.npy``: the training
+  the held-out problems' ground-truth text; ``tokens_gt_train.npy``: the training
   prompts with their ground-truth chains (the in-domain anchor / ground-truth AR text).
 * ``prompts``: ``prompts_train.jsonl`` (JF training prompts), ``prompts_eval.jsonl`` (held-out problems),
   ``prompts_eval_template.jsonl`` (problems of the held-out templates), each ``{"id", "prompt_ids"}``; the answers
-  stay in ``problems.jsonl``.
+  stay in ``problems.jsonl``; ``nll_eval.jsonl``: the held-out problems' questions and ground-truth answers as token
+  ids (the report's in-domain NLL: the answers given the questions, ``report.answer_nll``).
 
 The report adds, per model (:func:`quality`): exact-answer accuracy (``#### N``) and the share of the chains'
 ``a op b = c`` steps that are arithmetically right, on the held-out problems.
@@ -106,6 +107,10 @@ def stage_prompts(pipe) -> dict:
                 for r in load_problems(pipe.out, split)]
         atomic_write_text(pipe.path(name), "".join(json.dumps(r) + "\n" for r in rows))
         counts[split] = len(rows)
+        if split == "heldout":  # the report's in-domain NLL: ground-truth answers given their questions
+            nll = [{"prompt_ids": row["prompt_ids"], "response_ids": tok.encode(" " + r["chain"])}
+                   for row, r in zip(rows, load_problems(pipe.out, split))]
+            atomic_write_text(pipe.path("nll_eval.jsonl"), "".join(json.dumps(r) + "\n" for r in nll))
     pipe.log(f"[prompts] {counts['train']} training prompts, {counts['heldout']} held-out problems, "
              f"{counts['heldout_template']} problems of held-out templates")
     return counts

@@ -53,6 +53,39 @@ def heldout_nll(model, tokens: np.ndarray, chunks: int, seq: int = 256) -> tuple
     return total / count, torch.cat(preds)
 
 
+@torch.no_grad()
+def answer_nll(model, rows: list[dict], eos: int, batch: int = 16) -> tuple[float, torch.Tensor]:
+    """Teacher-forced quality on held-out problems: mean NLL (nats/token) of the ground-truth answers given their
+    questions -- the task's conditional distribution. (Jacobi Forcing trains no question token, so a stream NLL
+    over questions and answers together mostly measures how well the model still writes questions.)
+
+    Args:
+        rows: ``{"prompt_ids", "response_ids"}`` per problem; the response is followed by ``eos``.
+
+    Returns:
+        ``(nll, argmax)``: the mean over every answer token (and the final EOS), and the model's greedy next-token
+        predictions at those positions, int64 ``[total answer tokens]`` (teacher-forced agreement across models).
+    """
+    from megatron_jf.inference.forward import forward_logits
+
+    total, count, preds = 0.0, 0, []
+    for i in range(0, len(rows), batch):
+        seqs = [r["prompt_ids"] + r["response_ids"] + [eos] for r in rows[i:i + batch]]
+        L = max(map(len, seqs))
+        tokens = torch.zeros((len(seqs), L), dtype=torch.int64)
+        for j, sq in enumerate(seqs):
+            tokens[j, : len(sq)] = torch.tensor(sq)
+        logits = forward_logits(model, tokens, torch.arange(L).expand(len(seqs), L)).float()
+        for j, (r, sq) in enumerate(zip(rows[i:i + batch], seqs)):
+            P = len(r["prompt_ids"])
+            pos = torch.arange(P - 1, len(sq) - 1)
+            target = tokens[j, P: len(sq)]
+            total += float(torch.nn.functional.cross_entropy(logits[j, pos], target, reduction="sum"))
+            count += target.numel()
+            preds.append(logits[j, pos].argmax(-1))
+    return total / max(count, 1), torch.cat(preds)
+
+
 def distinct4(seqs) -> float:
     """Distinct 4-gram ratio of token sequences (1.0 = no repeated 4-gram; low values mean loops)."""
     grams, total = set(), 0
@@ -81,6 +114,8 @@ def build_report(pipe) -> dict:
     prompts = [r["prompt_ids"] for r in prompt_rows]
     fit = [json.loads(l)["prompt_ids"] for l in open(pipe.path("prompts_train.jsonl"))][: p.fit_prompts]
     held = np.load(pipe.path("tokens_heldout.npy")) if pipe.path("tokens_heldout.npy").exists() else None
+    if p.math:  # in-domain held-out NLL: answers given questions (answer_nll)
+        held = [json.loads(l) for l in open(pipe.path("nll_eval.jsonl"))]
     n = p.report_n
     template = []  # math domain: problems of templates held out from everything (Jacobi TPF there too)
     noisy_records = None  # math domain: the base model's trajectories on held-out problems (noisy-token accuracy)
@@ -212,7 +247,10 @@ def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos, fit=(), templa
     model = _load(ckpt)
     eng = Engine(model)
     R = p.response_tokens
-    nll, argmax = heldout_nll(model, held, p.nll_chunks) if held is not None else (float("nan"), None)
+    if isinstance(held, list):  # math domain: the held-out problems' ground-truth answers given their questions
+        nll, argmax = answer_nll(model, held, min(eos))
+    else:
+        nll, argmax = heldout_nll(model, held, p.nll_chunks) if held is not None else (float("nan"), None)
     kw = dict(max_new_tokens=R, eos_ids=eos, label=label)
     batched = measure(eng, prompts, decoders, batch_size=len(prompts), **kw)  # TPF and losslessness
     ref = batched.outputs
