@@ -4,6 +4,7 @@
 #   bash examples/quickstart.sh --smoke    # tiny sizes, ~8 min on one core (CI checks its figures: tests/fixtures/README.md)
 #   bash examples/quickstart.sh --real     # model B: SmolLM2-135M-Instruct, ~2 h on 2 idle cores (measured 1 h 57 min)
 #                                          # (Jacobi Forcing on 352 samples; learning curve in the report)
+#   bash examples/quickstart.sh --math     # GSM-Symbolic word problems, one JF round on 2,000 trajectories (issue 31)
 # Resumable: re-run the same command after an interruption. --fresh starts over.
 set -euo pipefail
 cd "$(dirname "$0")/.."

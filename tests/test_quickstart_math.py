@@ -119,3 +119,16 @@ def test_answer_nll_equals_transformers_on_the_answer_tokens(mp1):
         want_argmax += lp[P - 1: ids.shape[1] - 1].argmax(-1).tolist()
     assert abs(nll - total / count) < 1e-4 and count == 7 + 3 + 11 + 3
     assert argmax.tolist() == want_argmax
+
+
+def test_command_line_selects_the_math_preset():
+    """``bash examples/quickstart.sh --math`` runs the math preset (it was reachable from Python only); the presets'
+    flags exclude each other."""
+    from megatron_jf.quickstart import pipeline as P
+
+    ap = P.build_parser()
+    assert [P.preset_name(ap.parse_args(a)) for a in ([], ["--smoke"], ["--real"], ["--math"])] == \
+        ["default", "smoke", "real", "math"]
+    assert P.PRESETS[P.preset_name(ap.parse_args(["--math"]))].math
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--math", "--smoke"])
