@@ -19,6 +19,10 @@ variable                        field            meaning
 ``MEGATRON_JF_MR_VERIFY``       ``mr_verify``    ``tree`` / ``pruned``: how MR verifies recycled candidates
                                                  (:mod:`~megatron_jf.inference.mr_verify`; default pruned on
                                                  CPU, tree on CUDA)
+``MEGATRON_JF_COST_CACHE``      ``forward_cost``  where measured forward costs are kept
+                                                 (:mod:`~megatron_jf.inference.cost_model`; default
+                                                 ``$XDG_CACHE_HOME/megatron_jf``, else ``~/.cache/megatron_jf``);
+                                                 ``0``: measure at every start, keep nothing
 ==============================  ===============  ==========================================================
 
 An explicit constructor argument wins over the variable; the variable wins over the device default. Values are
@@ -35,6 +39,7 @@ STATIC_DECODE = "MEGATRON_JF_STATIC_DECODE"
 CUDA_GRAPHS = "MEGATRON_JF_CUDA_GRAPHS"
 LEAN_GEMV = "MEGATRON_JF_LEAN_GEMV"
 MR_VERIFY = "MEGATRON_JF_MR_VERIFY"
+COST_CACHE = "MEGATRON_JF_COST_CACHE"
 
 FORWARDS = ("auto", "lean", "static", "megatron")
 GEMV_MODES = ("all", "out", "none")
@@ -91,6 +96,18 @@ def mr_verify_mode(mode: str | None, device) -> str:
     if m == "auto":
         return "tree" if device.type == "cuda" else "pruned"
     return m
+
+
+def cost_cache_dir() -> str | None:
+    """The directory measured forward costs are cached in (``MEGATRON_JF_COST_CACHE``, else
+    ``$XDG_CACHE_HOME/megatron_jf`` or ``~/.cache/megatron_jf``); None when the variable is ``0`` (no cache)."""
+    v = os.environ.get(COST_CACHE, "").strip()
+    if v.lower() in _OFF:
+        return None
+    if v:
+        return v
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "megatron_jf")
 
 
 def inference_transformer_impl() -> str:

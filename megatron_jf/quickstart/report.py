@@ -66,6 +66,7 @@ def distinct4(seqs) -> float:
 def build_report(pipe) -> dict:
     """Evaluate base and JF models on the held-out prompts; write ``report/report.{json,md}`` and plots."""
     from megatron_jf import parallel
+    from megatron_jf.decoding import PAPER
     from megatron_jf.inference.engine import DecodeConfig
     from megatron_jf.tokenizer import load_tokenizer
 
@@ -82,9 +83,10 @@ def build_report(pipe) -> dict:
     fit = [json.loads(l)["prompt_ids"] for l in open(pipe.path("prompts_train.jsonl"))][: p.fit_prompts]
     held = np.load(pipe.path("tokens_heldout.npy")) if pipe.path("tokens_heldout.npy").exists() else None
     n = p.n2
-    decoders = {"AR": DecodeConfig("ar"), f"Jacobi (n={n})": DecodeConfig("jacobi", block_size=n),
+    # the paper's decoders (whole draft every step, no context n-grams): the report measures the method's TPF
+    decoders = {"AR": DecodeConfig("ar"), f"Jacobi (n={n})": DecodeConfig("jacobi", block_size=n, **PAPER),
                 f"MR (n={n}, K=2, r=0.85, v=4)": DecodeConfig("mr", block_size=n, num_blocks=2, spawn_threshold=0.85,
-                                                           verification_size=4)}
+                                                           verification_size=4, **PAPER)}
     labels = {"base": "base", "jf1": "JF round 1", "jf2": "JF round 2"}
     models = {labels[ck]: ck for ck in p.report_models}
     rows, curves, outputs, tf_argmax, jacobi_tpf, fit_tpf = [], {}, {}, {}, {}, {}
@@ -182,6 +184,7 @@ def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos, fit=()) -> dic
         AssertionError: a decoder's output differs from greedy AR (a losslessness bug).
     """
     from megatron_jf.eval.hf_baseline import hf_twin, time_hf_greedy_decode
+    from megatron_jf.decoding import PAPER
     from megatron_jf.eval.speed import measure
     from megatron_jf.inference.engine import DecodeConfig, Engine
     from megatron_jf.quickstart.timing import time_interleaved, torch_threads
@@ -238,14 +241,14 @@ def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos, fit=()) -> dic
     for nb in p.eval_block_sizes:
         if nb not in curve:
             name = f"jacobi n={nb}"
-            sweep = measure(eng, prompts, {name: DecodeConfig("jacobi", block_size=nb)}, batch_size=len(prompts),
-                            reference=ref, **kw)
+            sweep = measure(eng, prompts, {name: DecodeConfig("jacobi", block_size=nb, **PAPER)},
+                            batch_size=len(prompts), reference=ref, **kw)
             curve[nb] = sweep.methods[name].tpf
     curve = {nb: curve[nb] for nb in p.eval_block_sizes}
     fit_tpf = None
     if fit:  # measure() adds the AR reference run and checks the Jacobi output against it
         name = f"jacobi n={p.n2} (training prompts)"
-        fit_tpf = measure(eng, fit, {name: DecodeConfig("jacobi", block_size=p.n2)}, batch_size=len(fit),
+        fit_tpf = measure(eng, fit, {name: DecodeConfig("jacobi", block_size=p.n2, **PAPER)}, batch_size=len(fit),
                           **kw).methods[name].tpf
     return {"rows": rows, "curve": curve, "outputs": ref, "jacobi_tpf": jacobi_tpf, "fit_tpf": fit_tpf,
             "tf_argmax": None if argmax is None else argmax.tolist()}

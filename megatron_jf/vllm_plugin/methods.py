@@ -8,14 +8,18 @@
     (:class:`megatron_jf.decoding.RunningWindowPolicy`, ``block_size = n``).
 ``{"method": "mr", "num_speculative_tokens": K*n, "num_blocks": K}``
     Multi-block decoding with rejection recycling (paper Sec. 3.2, Algorithm 1) on vLLM's linear verification:
-    up to ``K`` blocks of ``n`` drafted back to back as one draft of at most ``K*n`` tokens, the best n-gram pool
-    candidate substituted for the real-active block's part before verification
-    (:class:`megatron_jf.decoding.MRPolicy` with ``linear=True``); the pool persists per request.
+    up to ``K`` blocks of ``n`` drafted back to back as one draft of at most ``K*n`` tokens, led by the pool's best
+    candidate -- a recycled n-gram or a context n-gram (prompt lookup: what followed earlier occurrences of the
+    newest tokens in the prompt and output) -- where the request's acceptance so far expects it to accept more
+    than the Jacobi draft (:class:`megatron_jf.decoding.MRPolicy` with ``linear=True``); the pool persists per
+    request. vLLM verifies the whole draft (the engine's cost-based width choice is this project's engine's).
 
 Optional keys (both methods unless noted), the fields of :class:`megatron_jf.decoding.DecodeConfig`:
 ``draft_init`` (``context`` | ``repeat``), and for ``mr`` ``num_blocks`` K (default 2), ``spawn_threshold`` r,
-``ngram_pool_size``, ``verification_size`` (>= 2 lets a pool candidate be chosen). Drafts are seeded by the
-request's ``SamplingParams.seed`` (0 when unset) and its prompt, as in this project's engine.
+``ngram_pool_size``, ``verification_size`` (>= 2 lets a pool candidate be chosen), ``prompt_lookup_min`` /
+``prompt_lookup_max`` (vLLM's n-gram names: the context n-grams' match lengths; ``prompt_lookup_max: 0`` turns them
+off). Drafts are seeded by the request's ``SamplingParams.seed`` (0 when unset) and its prompt, as in this project's
+engine.
 
 Every other key goes to vLLM's ``SpeculativeConfig`` unchanged. Pure Python: no vLLM import here.
 """
@@ -32,7 +36,8 @@ ADDITIONAL_CONFIG_KEY = "megatron_jf"
 PROPOSER_PATH = "megatron_jf.vllm_plugin.proposer.JacobiForcingProposer"
 METHODS = ("jacobi", "mr")
 _OPTIONS = {"jacobi": ("draft_init",),
-            "mr": ("draft_init", "num_blocks", "spawn_threshold", "ngram_pool_size", "verification_size")}
+            "mr": ("draft_init", "num_blocks", "spawn_threshold", "ngram_pool_size", "verification_size",
+                   "prompt_lookup_min", "prompt_lookup_max")}
 
 
 def decode_config(spec: dict) -> DecodeConfig:
