@@ -41,7 +41,9 @@ def test_width_follows_the_cost_table():
 def test_forward_cost_interpolates_and_stays_monotone():
     c = ForwardCost({1: {1: 1.0, 2: 2.5, 4: 2.0, 8: 3.0}, 3: {1: 3.0, 8: 10.0}})
     assert c.curve(1) == [(1, 1.0), (2, 2.5), (4, 2.5), (8, 3.0)]  # noise made s=4 look cheaper than s=2
-    assert c.seconds(1, 3) == 2.5 and c.seconds(1, 6) == 2.75 and c.seconds(1, 12) == 3.5  # last slope past 8
+    assert c.seconds(1, 3) == 2.5 and c.seconds(1, 6) == 2.75
+    assert c.seconds(1, 12) == 4.5  # past 8: proportional (3.0 * 12 / 8), the last slope (3.5) being flatter
+    assert ForwardCost({1: {1: 1.0, 2: 1.0, 3: 4.0}}).seconds(1, 4) == 7.0  # ... or the last slope, if steeper
     assert c.seconds(2, 1) == 2.0 and c.seconds(2, 8) == 6.5  # between row counts: linear
     assert c.seconds(6, 1) == 6.0  # past the largest row count: proportional
     assert ForwardCost.from_dict(c.to_dict()).points() == c.points()

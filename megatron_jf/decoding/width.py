@@ -156,8 +156,9 @@ def expected_accepted(probs: Sequence[float]) -> list[float]:
 class ForwardCost:
     """Seconds of one decode forward of ``rows`` rows x ``tokens`` tokens per row, from measured points.
 
-    Between measured token counts of one row count: linear; past the last: linear with the last segment's slope;
-    below the first: the first point. Between measured row counts: linear; past the largest: proportional to the
+    Between measured token counts of one row count: linear; past the last: in proportion to the tokens, or with the
+    last segment's slope where that is steeper (never cheaper per token than measured: an unmeasured wide forward
+    is not taken for free); below the first: the first point. Between measured row counts: linear; past the largest: proportional to the
     rows (the compute-bound worst case); below the smallest: that row's curve. Each row count's curve is made
     non-decreasing in tokens (a noisy measurement must not make a wider forward look cheaper).
 
@@ -212,10 +213,11 @@ class ForwardCost:
                 return ts[i]
             s0, s1, t0, t1 = ss[i - 1], ss[i], ts[i - 1], ts[i]
             return t0 + (t1 - t0) * (s - s0) / (s1 - s0)
-        if len(ss) == 1:  # one point: proportional past it
-            return ts[0] * s / ss[0]
+        prop = ts[-1] * s / ss[-1]
+        if len(ss) == 1:
+            return prop
         slope = (ts[-1] - ts[-2]) / (ss[-1] - ss[-2])
-        return ts[-1] + slope * (s - ss[-1])
+        return max(prop, ts[-1] + slope * (s - ss[-1]))
 
     def seconds(self, rows: int, tokens: int) -> float:
         """Estimated seconds of one forward of ``rows`` x ``tokens`` (both >= 1)."""

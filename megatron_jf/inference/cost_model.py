@@ -6,8 +6,9 @@ CUDA-graph path, or megatron-core's, whichever the engine runs) on a scratch KV 
 tokens per row, for the row counts of :data:`ROWS` below the batch and the batch's own (at most 64; more rows are
 extrapolated proportionally), and tokens per row from :data:`TOKENS` up to the widest forward. A row count's curve
 stops once a forward costs :data:`STOP_RATIO` times its one-token forward or :data:`BUDGET_S` is spent; past the
-last point the cost grows with the last measured slope. Each point is the median of :data:`REPS` interleaved
-timings after a warm-up. On this project's CPU (SmolLM2-135M, one thread) a row count takes a second or two.
+last point the cost grows in proportion to the tokens (or with the last slope, if steeper). Each point is the fastest
+of :data:`REPS` passes after a warm-up (on a shared machine the slower ones waited for a core). On this project's CPU (SmolLM2-135M, one thread)
+a row count takes a few seconds, once: later starts read the file.
 
 The table is written atomically to ``<cache dir>/forward_cost/<key>.json``, the key a hash of everything the cost
 depends on -- the model's shape, parameter dtype, device (CPU model or GPU name), torch threads, forward
@@ -24,7 +25,6 @@ import hashlib
 import json
 import os
 import platform
-import statistics
 import time
 
 import torch
@@ -35,7 +35,7 @@ from megatron_jf.inference.runner import ModelRunner, synchronize
 from megatron_jf.models.gpt import unwrap
 
 #: Tokens per row measured (up to the widest forward the session allows, which is always measured).
-TOKENS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
+TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 #: Row counts measured below the batch (the batch's own count, at most 64, is measured too); past the largest the
 #: cost is extrapolated proportionally, between two linearly.
 ROWS = (1, 4, 16, 64)
@@ -43,12 +43,13 @@ ROWS = (1, 4, 16, 64)
 CONTEXT = 128
 #: A row count's curve stops at a forward this many times its one-token forward.
 STOP_RATIO = 8.0
-#: Seconds one row count's measurement may take (the one-token forward and three points are always timed).
-BUDGET_S = 1.0
-#: Timings per point (after one warm-up forward); the median is kept.
-REPS = 3
+#: Seconds one row count's measurement may take at most (a machine slowed by other jobs stops the curve early).
+BUDGET_S = 4.0
+#: Passes over the points; each point's fastest time is kept (the machine's own cost: slower runs waited for a
+#: shared core).
+REPS = 2
 #: Bump when the measurement changes (old cache files are then ignored).
-VERSION = 1
+VERSION = 4
 
 
 def _device_name(device: torch.device) -> str:
@@ -65,7 +66,8 @@ def _device_name(device: torch.device) -> str:
 
 def cost_key(model, impl: str) -> dict:
     """What the cost of ``model``'s decode forward depends on (the cache key): model shape, parameter dtype, device,
-    torch threads, forward implementation ``impl``, tensor-parallel size, measured context, measurement version."""
+    torch threads, forward implementation ``impl`` (with the lean forward's CPU weight copies), tensor-parallel
+    size, measured context, measurement version."""
     from megatron.core import parallel_state as ps
 
     m = unwrap(model)
@@ -74,6 +76,9 @@ def cost_key(model, impl: str) -> dict:
     for k in ("eos_token_ids", "bos_token_id", "pad_token_id", "extra", "rms_norm_eps", "rope_theta"):
         shape.pop(k, None)
     tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    lean = getattr(m, "_jf_lean_forward", None)
+    if impl != "megatron" and lean is not None:
+        impl = f"{impl} (weight copies for {len(lean.gemv_transposed)} products, packed: {lean.packed})"
     return {"model": shape, "dtype": str(p.dtype).replace("torch.", ""), "device": _device_name(p.device),
             "threads": torch.get_num_threads(), "impl": impl, "tp": tp, "context": CONTEXT, "version": VERSION}
 
@@ -143,8 +148,8 @@ def _from_first_rank(obj):
 
 def measure_rows(runner, rows: int, max_tokens: int, *, context: int = CONTEXT, budget_s: float = BUDGET_S,
                  reps: int = REPS) -> dict[int, float]:
-    """Median seconds of one decode forward of ``rows`` rows x ``s`` tokens for ``s`` in :data:`TOKENS` up to
-    ``max_tokens`` (and ``max_tokens``), until :data:`STOP_RATIO` or ``budget_s``.
+    """Seconds of one decode forward of ``rows`` rows x ``s`` tokens (the fastest of ``reps``) for ``s`` in
+    :data:`TOKENS` up to ``max_tokens`` (and ``max_tokens``), until :data:`STOP_RATIO` or ``budget_s``.
 
     Args:
         runner: a :class:`~megatron_jf.inference.runner.ModelRunner` with at least ``rows`` rows of
@@ -164,22 +169,21 @@ def measure_rows(runner, rows: int, max_tokens: int, *, context: int = CONTEXT, 
         return _agreed(time.perf_counter() - t0)
 
     try:
-        once(1)  # warm-up (first-call allocations, CUDA graph capture)
+        once(1)  # warm-ups: first-call allocations, the lean forward's weight copies, CUDA graph capture
+        once(2)
         start = time.perf_counter()
-        times: dict[int, list[float]] = {}
-        for s in grid:  # the first pass (two timings each; the faster decides) decides how far the curve goes
-            times[s] = [once(s), once(s)]
+        times: dict[int, float] = {}
+        for s in grid:  # the first pass decides how far the curve goes
+            times[s] = once(s)
             spent = _agreed(time.perf_counter() - start)
-            if len(times) >= 4 and (min(times[s]) > STOP_RATIO * min(times[1]) or spent > budget_s):
+            if len(times) >= 4 and (times[s] > STOP_RATIO * times[1] or spent > budget_s):
                 break
-        for _ in range(reps - 2):
-            if _agreed(time.perf_counter() - start) > 2 * budget_s:
-                break
+        for _ in range(reps - 1):  # then whole passes again, the fastest time kept
             for s in times:
-                times[s].append(once(s))
+                times[s] = min(times[s], once(s))
     finally:
         cache.lengths.zero_()
-    return {s: statistics.median(ts) for s, ts in times.items()}
+    return times
 
 
 def ensure_cost(model, cost: ForwardCost | None, rows: int, max_tokens: int, runner_options: dict) -> ForwardCost:
