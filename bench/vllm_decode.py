@@ -49,34 +49,16 @@ import time
 from collections import Counter
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OURS_SYSTEMS = ("ar", "default", "mr-paper", "jacobi-paper")
+sys.path.insert(0, os.path.join(REPO, "bench"))
+from decode import SYSTEMS as OURS_SYSTEMS  # noqa: E402  (this project's systems and the CPU flags: one place)
+from decode import configs, cpu_flags, humaneval_chat_prompts  # noqa: E402
 VLLM_SYSTEMS = ("ar", "ngram", "mr", "jacobi")
-
-
-def cpu_flags() -> str:
-    """The CPU's model name and its AVX2 / AVX-512 / AMX flags (named next to every figure)."""
-    name, flags = "unknown CPU", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                k, _, v = line.partition(":")
-                if k.strip() == "model name" and name == "unknown CPU":
-                    name = v.strip()
-                elif k.strip() == "flags":
-                    flags |= {x for x in v.split() if x == "avx2" or x.startswith(("avx512", "amx"))}
-    except OSError:
-        pass
-    return f"{name}, {os.cpu_count()} cores; flags: {' '.join(sorted(flags)) or 'none of avx2/avx512/amx'}"
 
 
 # ------------------------------------------------------------------------------------------------ workers
 def _prepare(args) -> None:
     """(project env) Export the models and write the prompts: ``{model: {"hf": dir, "prompts": [[ids]...]}}``."""
     sys.path.insert(0, REPO)
-    from transformers import AutoTokenizer
-
-    from megatron_jf.eval.benchmarks import load_benchmark
-    from megatron_jf.eval.prompts import build_messages
     from megatron_jf.quickstart.smollm import export_smollm2_checkpoint
 
     root = os.path.join(REPO, "runs", "vllm_bench")
@@ -97,11 +79,7 @@ def _prepare(args) -> None:
                 continue
         if not os.path.isdir(hf_out):
             subprocess.run(conv + ["mcore-to-hf", "--load", mcore, "--out", hf_out], check=True)
-        tok = AutoTokenizer.from_pretrained(hf_out)
-        prompts = []
-        for pr in load_benchmark("humaneval", limit=max(args.num_prompts, *map(int, args.batches.split(",")))):
-            ids = tok.apply_chat_template(build_messages(pr), add_generation_prompt=True, tokenize=True)
-            prompts.append(list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids))
+        prompts = humaneval_chat_prompts(hf_out, max(args.num_prompts, *map(int, args.batches.split(","))))
         out[name] = {"hf": hf_out, "source": mcore, "prompts": prompts}
     json.dump(out, open(args.worker_out, "w"))
 
@@ -131,43 +109,32 @@ def _serve(args, ready: dict, run) -> None:
         out.flush()
 
 
-def _ours_configs(args) -> dict:
-    from megatron_jf.cli import DEFAULT_DECODER
-    from megatron_jf.decoding import PAPER, DecodeConfig
-
-    return {"ar": DecodeConfig("ar"),
-            "default": DecodeConfig(DEFAULT_DECODER, block_size=args.n, num_blocks=args.k),
-            "mr-paper": DecodeConfig("mr", block_size=args.n, num_blocks=args.k, **PAPER),
-            "jacobi-paper": DecodeConfig("jacobi", block_size=args.n, **PAPER)}
-
-
 def _run_ours(args) -> None:
     """(project env) This project's engine on one model, every ``--ours`` system."""
     sys.path.insert(0, REPO)
-    sys.path.insert(0, os.path.join(REPO, "bench"))
     import torch
-    from decode_vs_hf import _megatron_from_hf
     from transformers import AutoModelForCausalLM
 
     from megatron_jf import parallel
     from megatron_jf.decoding import forward_width
+    from megatron_jf.eval.speed import warm_up
     from megatron_jf.hf_io import tokenizer_eos_ids
     from megatron_jf.inference.engine import Engine
+    from megatron_jf.testing import mcore_twin
 
     parallel.initialize(1, 1)
     parallel.set_seed(0)
     spec = json.load(open(args.spec))
     hf = AutoModelForCausalLM.from_pretrained(spec["hf"], dtype=torch.float32).eval()
-    eng = Engine(_megatron_from_hf(hf))
+    eng = Engine(mcore_twin(hf))
     del hf
-    cfgs = {s: c for s, c in _ours_configs(args).items() if s in args.ours.split(",")}
+    cfgs = {s: c for s, c in configs(args.n, args.k).items() if s in args.ours.split(",")}
     eos = frozenset(tokenizer_eos_ids(spec["hf"]))
     batches = [int(b) for b in args.batches.split(",")]
     t0 = time.perf_counter()
     cost = eng.forward_cost(max(batches), max(forward_width(c) for c in cfgs.values()))
     cost_s = time.perf_counter() - t0
-    for c in cfgs.values():  # warm-up: first calls, the lean forward's weight copies
-        eng.generate([spec["prompts"][0]], c, max_new_tokens=8, eos_ids=eos)
+    warm_up(eng, spec["prompts"][0], cfgs, max_new_tokens=8, eos_ids=eos)  # first calls, the lean forward's copies
 
     def run(system: str, batch: int) -> dict:
         t0, toks, fw, widths, drafted, acc = time.perf_counter(), [], 0, Counter(), 0, 0

@@ -129,24 +129,28 @@ def test_width_follows_the_cost_table_in_the_engine(models):
     from megatron_jf.decoding.width import ForwardCost
     from megatron_jf.inference.engine import DecodeConfig, Engine
 
-    hf, eng = models["peaked-4"]
+    free = ForwardCost({1: {1: 1.0, 64: 1.0}})
+    steep = ForwardCost({1: {1: 1.0, 64: 64.0}})
     prompts = _prompts(3)
-    ref = eng.generate(prompts, DecodeConfig("ar"), max_new_tokens=40)
-    free = Engine(eng.model, forward_cost=ForwardCost({1: {1: 1.0, 64: 1.0}}))
-    steep = Engine(eng.model, forward_cost=ForwardCost({1: {1: 1.0, 64: 64.0}}))
-    # (MR with v=1 has no candidates, so nothing leads its draft: the same drafts as at a fixed width)
-    for cfg in (DecodeConfig("jacobi", block_size=8),
-                DecodeConfig("mr", block_size=8, num_blocks=2, verification_size=1),
-                DecodeConfig("mr", block_size=8, num_blocks=2)):
-        wide = free.generate(prompts, cfg, max_new_tokens=40)
-        fixed = free.generate(prompts, DecodeConfig(**{**cfg.__dict__, "draft_width": "fixed"}), max_new_tokens=40)
-        ar = steep.generate(prompts, cfg, max_new_tokens=40)
+    # drafts the model accepts (the repeat draft on the period-1 model; MR's pools on the period-4 one): free, the
+    # fixed width's steps exactly (MR with v=1 has no candidates, so nothing leads its draft); steep, AR steps
+    for name, cfg in (("peaked-1", DecodeConfig("jacobi", block_size=8, draft_init="repeat")),
+                      ("peaked-1", DecodeConfig("mr", block_size=8, num_blocks=2, verification_size=1,
+                                                draft_init="repeat")),
+                      ("peaked-4", DecodeConfig("mr", block_size=8, num_blocks=2))):
+        hf, eng = models[name]
+        ref = eng.generate(prompts, DecodeConfig("ar"), max_new_tokens=40)
+        wide = Engine(eng.model, forward_cost=free).generate(prompts, cfg, max_new_tokens=40)
+        fixed = eng.generate(prompts, DecodeConfig(**{**cfg.__dict__, "draft_width": "fixed"}), max_new_tokens=40)
+        ar = Engine(eng.model, forward_cost=steep).generate(prompts, cfg, max_new_tokens=40)
         for w, f, a, r in zip(wide, fixed, ar, ref):
             assert w.tokens == f.tokens == a.tokens == r.tokens
             if cfg.verification_size == 1 or cfg.decoder == "jacobi":  # the ceiling: the fixed width's steps
                 assert w.draft_lens == f.draft_lens and w.forwards == f.forwards
             assert set(a.draft_lens) == {0} and a.forwards == len(a.tokens)  # AR steps
-    assert sum(w.tpf for w in wide) > 3 * len(wide)  # MR with context n-grams on this period-4 model
+        assert sum(w.tpf for w in wide) > 3 * len(wide), [w.tpf for w in wide]
+    hf, eng = models["peaked-4"]
+    ref = eng.generate(prompts, DecodeConfig("ar"), max_new_tokens=40)
     measured = Engine(eng.model)  # this machine's cost (measured once, cached under MEGATRON_JF_COST_CACHE)
     for o, r in zip(measured.generate(prompts, DecodeConfig("mr"), max_new_tokens=40), ref):
         assert o.tokens == r.tokens

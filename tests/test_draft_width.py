@@ -25,6 +25,9 @@ def test_width_follows_the_cost_table():
     assert choose_widths(_linear_cost(0.01), [RowDraft([0.8, 0.0, 0.5])]) == [1]  # nothing past a sure rejection
     assert choose_widths(_linear_cost(0.0), [RowDraft([0.8, 0.0, 0.5])]) == [3]  # ... unless it costs nothing
     assert choose_widths(_linear_cost(0.0), [RowDraft([])]) == [0]
+    # a predicted gain within the table's measurement error (3 % < MARGIN = 5 %) stays AR
+    assert choose_widths(_linear_cost(0.1), [RowDraft([0.133])]) == [0]
+    assert choose_widths(_linear_cost(0.1), [RowDraft([0.133])], margin=0.0) == [1]
     # a batch: one forward padded to the longest row; a row that accepts nothing still drafts (padding is free)
     two = [RowDraft([0.9] * 8), RowDraft([0.0] * 8)]
     assert choose_widths(_linear_cost(0.1, rows=(1, 2)), two) == [8, 8]

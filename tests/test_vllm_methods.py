@@ -32,6 +32,11 @@ def test_translate_jacobi_and_mr_to_custom_class():
     assert ours["block_size"] == 8 and ours["num_blocks"] == 3 and ours["method"] == "mr"
     ngram = {"method": "ngram", "num_speculative_tokens": 4}
     assert translate(ngram) == (ngram, None)
+    # MR's context n-grams (on by default) take vLLM's n-gram names
+    spec, ours = translate({"method": "mr", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 0})
+    assert spec == {"method": "custom_class", "model": PROPOSER_PATH, "num_speculative_tokens": 8}
+    assert (ours["prompt_lookup_min"], ours["prompt_lookup_max"]) == (2, 0)
+    assert decode_config({"method": "mr", "num_speculative_tokens": 8}).prompt_lookup_max == 4
 
 
 @pytest.mark.parametrize("spec, match", [
@@ -41,6 +46,8 @@ def test_translate_jacobi_and_mr_to_custom_class():
     ({"method": "mr", "num_speculative_tokens": 9, "num_blocks": 2}, "must be num_blocks"),
     ({"method": "mr", "num_speculative_tokens": 8, "spawn_threshold": 1.5}, "spawn threshold r"),
     ({"method": "jacobi", "num_speculative_tokens": 4, "draft_init": "zeros"}, "unknown draft init"),
+    ({"method": "jacobi", "num_speculative_tokens": 4, "prompt_lookup_max": 3}, "does not take prompt_lookup_max"),
+    ({"method": "mr", "num_speculative_tokens": 8, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt lookup"),
 ])
 def test_bad_speculative_configs_are_named(spec, match):
     with pytest.raises(ValueError, match=match):

@@ -16,7 +16,8 @@ GPU; ``tools/search_inference_config.py``). Here the choice is made every step f
 A row drafting ``w`` tokens emits ``1 + E(w)`` tokens in expectation, ``E(w) = sum_{j<w} prod_{i<=j} p_i``
 (:func:`expected_accepted`); one forward of ``b`` rows costs ``cost.seconds(b, s)`` with ``s`` the longest row
 (rows are padded to it). :func:`choose_widths` picks the widths that maximise expected tokens per second of the
-step -- down to 0 (plain AR) when no draft pays -- with each row's draft length as its ceiling. The width only
+step -- down to 0 (plain AR) when no draft is expected to beat it by :data:`MARGIN` -- with each row's draft length
+as its ceiling. The width only
 decides what is drafted: verification is unchanged, so the output is exactly what a fixed width gives (greedy: AR's).
 
 Standard library only, engine-independent: this project's engine applies the widths
@@ -30,7 +31,7 @@ import bisect
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-__all__ = ["PRIORS", "AcceptanceStats", "ForwardCost", "RowDraft", "choose_widths", "context_source",
+__all__ = ["MARGIN", "PRIORS", "AcceptanceStats", "ForwardCost", "RowDraft", "choose_widths", "context_source",
            "expected_accepted", "width_grid"]
 
 #: Prior acceptance rate of each draft source, worth :data:`PRIOR_WEIGHT` observations of its pooled rate: the
@@ -279,17 +280,25 @@ def width_grid(ceiling: int) -> list[int]:
     return out + [max(ceiling, 0)]
 
 
-def choose_widths(cost: ForwardCost, rows: Sequence[RowDraft], overhead_s: float = 0.0) -> list[int]:
+#: A draft must be expected to beat plain AR's tokens per second by this fraction (the cost table is a measurement
+#: on a machine that may be shared: a smaller predicted gain is within its error, and AR is the safe side).
+MARGIN = 0.05
+
+
+def choose_widths(cost: ForwardCost, rows: Sequence[RowDraft], overhead_s: float = 0.0,
+                  margin: float = MARGIN) -> list[int]:
     """Draft tokens each row forwards this step: the width ``W`` maximising expected tokens per second of one
     padded forward, ``sum_r (1 + E_r(min(W, ceiling_r))) / (cost.seconds(len(rows), s(W)) + overhead_s)``,
     with ``s(W)`` the longest row's ``1 + min(W, ceiling_r) + sum(min(W, branch))`` (fixed rows: their whole
     draft and branches). Rows are padded to the longest, so every auto row drafts ``min(W, ceiling_r)``; ``W = 0``
-    is plain AR. Ties go to the wider width (where the table says a wider forward costs nothing more, it is taken).
+    is plain AR, and a ``W > 0`` must beat it by ``margin``. Ties go to the wider width (where the table says a
+    wider forward costs nothing more, it is taken).
 
     Args:
         cost: the forward's cost table.
         rows: one :class:`RowDraft` per row of the forward.
         overhead_s: seconds each step costs besides the forward (the same whatever the width).
+        margin: the fraction by which drafting must beat AR (:data:`MARGIN`).
 
     Returns:
         one width per row, ``0 <= width <= len(row.probs)``.
@@ -314,6 +323,8 @@ def choose_widths(cost: ForwardCost, rows: Sequence[RowDraft], overhead_s: float
             tokens += 1 + e[w]
             s = max(s, 1 + w + sum(min(W, x) for x in r.branches))
         rate = tokens / (cost.seconds(b, s) + overhead_s)
-        if best is None or rate >= best:
+        if best is None:  # W = 0: plain AR (or the fixed rows' forward)
+            best_w, best = W, rate * (1 + margin)
+        elif rate >= best:
             best_w, best = W, rate
     return [len(r.probs) if r.fixed else min(best_w, len(r.probs)) for r in rows]

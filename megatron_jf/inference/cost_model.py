@@ -7,7 +7,9 @@ tokens per row, for the row counts of :data:`ROWS` below the batch and the batch
 extrapolated proportionally), and tokens per row from :data:`TOKENS` up to the widest forward. A row count's curve
 stops once a forward costs :data:`STOP_RATIO` times its one-token forward or :data:`BUDGET_S` is spent; past the
 last point the cost grows in proportion to the tokens (or with the last slope, if steeper). Each point is the fastest
-of :data:`REPS` passes after a warm-up (on a shared machine the slower ones waited for a core). On this project's CPU (SmolLM2-135M, one thread)
+of :data:`REPS` passes after a warm-up (on a shared machine the slower ones waited for a core), and the one-token
+forward, which every ratio is taken against, is timed next to every point (a burst of load while it alone was timed
+would make every wider forward look cheap). On this project's CPU (SmolLM2-135M, one thread)
 a row count takes a few seconds, once: later starts read the file.
 
 The table is written atomically to ``<cache dir>/forward_cost/<key>.json``, the key a hash of everything the cost
@@ -47,9 +49,9 @@ STOP_RATIO = 8.0
 BUDGET_S = 4.0
 #: Passes over the points; each point's fastest time is kept (the machine's own cost: slower runs waited for a
 #: shared core).
-REPS = 2
+REPS = 3
 #: Bump when the measurement changes (old cache files are then ignored).
-VERSION = 4
+VERSION = 5
 
 
 def _device_name(device: torch.device) -> str:
@@ -172,15 +174,21 @@ def measure_rows(runner, rows: int, max_tokens: int, *, context: int = CONTEXT, 
         once(1)  # warm-ups: first-call allocations, the lean forward's weight copies, CUDA graph capture
         once(2)
         start = time.perf_counter()
-        times: dict[int, float] = {}
+        times: dict[int, float] = {1: once(1)}
+
+        def point(s: int) -> None:  # the one-token forward is the reference: timed next to every point
+            times[1] = min(times[1], once(1))
+            if s != 1:
+                times[s] = min(times.get(s, float("inf")), once(s))
+
         for s in grid:  # the first pass decides how far the curve goes
-            times[s] = once(s)
+            point(s)
             spent = _agreed(time.perf_counter() - start)
             if len(times) >= 4 and (times[s] > STOP_RATIO * times[1] or spent > budget_s):
                 break
-        for _ in range(reps - 1):  # then whole passes again, the fastest time kept
-            for s in times:
-                times[s] = min(times[s], once(s))
+        for _ in range(reps - 1):  # then whole passes again, each point's fastest time kept
+            for s in list(times):
+                point(s)
     finally:
         cache.lengths.zero_()
     return times
