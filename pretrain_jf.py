@@ -160,7 +160,8 @@ def train_valid_datasets_provider(cfg: TrainConfig, model_args):
         def make(paths, shuffle):
             ds = TrajectoryDataset(paths, window_size=cfg.window_size, schedule=cfg.noise_schedule, seed=cfg.seed,
                                    consistency=cfg.consistency_positions, block_size=cfg.block_size,
-                                   shuffle=shuffle, rank=rank, world_size=world, remainder="drop", batch_size=1)
+                                   shuffle=shuffle, rank=rank, world_size=world, remainder="drop", batch_size=1,
+                                   resample_noise_per_epoch=cfg.resample_noise_per_epoch and shuffle)
             ds.read_record(0)  # fail fast on a block-size mismatch or an unreadable first record
             return DatasetSpec(ds, collate)
     return make(cfg.data, True), (make(cfg.valid_data, False) if cfg.valid_data else None)

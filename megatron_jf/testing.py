@@ -92,3 +92,21 @@ def mcore_twin(hf):
     m = build_model(args).eval()
     m.load_state_dict(hf_to_mcore(hf.state_dict(), args), strict=False)
     return m
+
+
+def save_with_tokenizer(model, path: str) -> str:
+    """Save ``model`` (a tiny HF causal LM) with a word-level tokenizer over its vocabulary: token ``i`` is the word
+    ``t<i>`` and text is `` t<i>`` per token (byte-level spaces, which survive transformers replacing the decoder by
+    the architecture's own); the EOS token is the config's ``eos_token_id``. Returns ``path``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    V = model.config.vocab_size
+    tok = Tokenizer(models.WordLevel({f"\u0120t{i}": i for i in range(V)}, unk_token="\u0120t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"\u0120t{model.config.eos_token_id}")
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    fast.save_pretrained(path)
+    return path

@@ -8,6 +8,7 @@ from torch.utils.data import DataLoader
 from megatron_jf.data.dataset import TrajectoryDataset, collate_packed, collate_two_stream
 from megatron_jf.data.packing import IGNORE_INDEX as IGN
 from megatron_jf.data.packing import ROLE_PAD, check_packed, pack_record, packed_equal, to_two_stream
+from megatron_jf.data.schedule import epoch_phase, noise_targets
 from megatron_jf.data.shards import TrajectoryShardWriter
 from tests.test_data_common import PAD, hand_record, random_records
 
@@ -113,6 +114,33 @@ def test_random_noise_resampled_per_epoch_only_if_asked(shard_dir):
     f0 = torch.cat([p.target_ratios for p in fixed])
     fixed.set_epoch(1)
     assert torch.equal(f0, torch.cat([p.target_ratios for p in fixed]))
+
+
+@pytest.mark.parametrize("schedule", ["progressive", "reverse"])
+def test_progressive_noise_redrawn_per_epoch_only_if_asked(shard_dir, schedule):
+    """--resample-noise-per-epoch on the paper's schedule: epoch 0 packs exactly the states of Eq. 7 as written;
+    later epochs shift each record's ramp by its own phase, so a block meets other noise levels (other states) --
+    and without the option every epoch packs the identical state per block (issue 31)."""
+    _, manifest, recs = shard_dir
+    w = 4
+    ds = TrajectoryDataset(manifest, window_size=w, schedule=schedule, shuffle=False, resample_noise_per_epoch=True)
+    fixed = TrajectoryDataset(manifest, window_size=w, schedule=schedule, shuffle=False)
+    e0 = list(ds)
+    assert all(packed_equal(a, pack_record(r, schedule, w)) for a, r in zip(e0, recs))
+    levels = {r.sample_id: [set() for _ in r.blocks] for r in recs}
+    for epoch in range(12):
+        ds.set_epoch(epoch)
+        fixed.set_epoch(epoch)
+        for got, same, r in zip(ds, fixed, recs):
+            assert packed_equal(same, e0[recs.index(r)])  # the option off: the same state every epoch
+            for b, t in enumerate(got.target_ratios.tolist()):
+                levels[r.sample_id][b].add(t)
+            # the targets are the schedule's ramp shifted by this record's phase of this epoch
+            phase = epoch_phase(ds.seed, epoch, r.sample_id, w)
+            assert torch.equal(got.target_ratios, noise_targets(schedule, r.num_blocks, w, phase=phase).float())
+    # over 12 epochs a block meets several of the window's levels, not one
+    assert min(len(s) for blocks in levels.values() for s in blocks) >= 2
+    assert max(len(s) for blocks in levels.values() for s in blocks) == w
 
 
 def test_empty_and_missing(tmp_path):

@@ -240,6 +240,8 @@ def test_recipe_knobs_from_the_command_line_reach_the_stages(tmp_path, monkeypat
     want = load_tokenizer(tok_dir).encode(open(first.path, encoding="utf-8", errors="replace").read())
     assert ids[:100].tolist() == want[:100]
     (out / "prompts_train.jsonl").write_text(json.dumps({"id": "0", "prompt_ids": [1]}) + "\n")
+    # this project's collector (a checkout with .venv-vllm would send --real's collection to vLLM: another command)
+    monkeypatch.setattr(P, "vllm_python", lambda: None)
     pipe.run = lambda args, stage: (calls.append([str(x) for x in args]), (out / stage).mkdir(exist_ok=True),
                                     (out / stage / "manifest.json").write_text('{"counts": {"records": 1}}'))
     pipe.stage_traj("traj2", "jf1", 32)

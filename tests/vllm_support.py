@@ -1,32 +1,12 @@
-"""Helpers for the vLLM plugin tests (tests/test_vllm_*.py): tiny real checkpoints with a tokenizer, and a reference
-loop of linear speculative decoding verified by ``transformers`` greedy.
+"""Helpers for the vLLM plugin tests (tests/test_vllm_*.py): a reference loop of linear speculative decoding verified by
+``transformers`` greedy (tiny real checkpoints with a tokenizer: :func:`megatron_jf.testing.save_with_tokenizer`).
 
 Importing this module imports neither vLLM nor torch (the tests that need them skip where vLLM is missing).
 """
 
 from __future__ import annotations
 
-import os
-
 from megatron_jf.decoding import Outcome, accepted_prefix, draft_rng
-
-
-def save_with_tokenizer(model, path: str) -> str:
-    """Save ``model`` (a tiny HF causal LM) with a word-level tokenizer over its vocabulary: token ``i`` is the word
-    ``t<i>`` and text is `` t<i>`` per token (byte-level spaces, which survive transformers replacing the decoder by
-    the architecture's own); the EOS token is the config's ``eos_token_id``. Returns ``path``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    V = model.config.vocab_size
-    tok = Tokenizer(models.WordLevel({f"\u0120t{i}": i for i in range(V)}, unk_token="\u0120t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"\u0120t{model.config.eos_token_id}")
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
-    fast.save_pretrained(path)
-    return path
 
 
 def cycle_successor(period: int):

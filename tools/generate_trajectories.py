@@ -363,16 +363,15 @@ def run_vllm(args) -> dict:
     _announce(args, specs, remaining, info, 1)
     stats, n_long, collector = C.CollectStats(), 0, None
     if remaining:
-        max_context = V.context_window(hf_config) - cfg.block_size - 1  # room for the last draft (VLLMCollector)
+        max_context = V.context_window(hf_config) - V.context_room(cfg.block_size)  # vLLM must keep drafting
         toks = C.tokenize_prompts(remaining, tokenizer, margs.vocab_size)
         fit, long = _fit_prompts(args, cfg, toks, max_context)
         n_long = len(long)
         kv = int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None
-        need = max((len(p.ids) for p in fit), default=1) + cfg.max_new_tokens + cfg.block_size + 1
+        need = V.engine_length(max((len(p.ids) for p in fit), default=1), cfg.max_new_tokens, cfg.block_size)
         collector = V.VLLMCollector(args.load, block_size=cfg.block_size, draft_init=cfg.draft_init, dtype=dtype,
-                                    max_num_seqs=args.batch_size, max_model_len=min(need, max_context + cfg.block_size
-                                                                                   + 1),
-                                    kv_cache_bytes=kv, enforce_eager=args.enforce_eager)
+                                    max_num_seqs=args.batch_size, max_model_len=need, kv_cache_bytes=kv,
+                                    enforce_eager=args.enforce_eager)
         writer, ledger = _writer_and_ledger(args, cfg, out, 0, info["shards"], long, max_context)
         bar, on_batch = _progress(args, len(fit), "collect (vLLM)")
         try:

@@ -48,7 +48,7 @@ from .packing import (
     pack_record,
     to_two_stream,
 )
-from .schedule import SCHEDULES, derive_seed
+from .schedule import SCHEDULES, derive_seed, epoch_phase
 from .shards import ShardEntry, expand_sources, index_shard, read_record
 from .trajectory import TrajectoryRecord
 
@@ -137,8 +137,10 @@ class TrajectoryDataset(EpochCursor, IterableDataset):
         rank, world_size: the *data-parallel* rank and size (not the global rank).
         remainder: ``"drop"`` or ``"wrap"``; see the module docstring.
         batch_size: the DataLoader batch size (worker chunk size; see the module docstring).
-        resample_noise_per_epoch: if True the ``random`` schedule is re-drawn each epoch
-            (seed ``derive_seed(seed, epoch)``); otherwise it depends on ``seed`` only.
+        resample_noise_per_epoch: if True each record's noisy states are re-drawn every epoch: the ``random``
+            schedule with seed ``derive_seed(seed, epoch)``, ``progressive`` / ``reverse`` with the ramp shifted by
+            :func:`~megatron_jf.data.schedule.epoch_phase` (epoch 0 is the schedule as written); otherwise every
+            epoch packs the same state per block (the paper trains one epoch, where the two agree).
         eos_id: if given, records are validated against the EOS convention.
 
     Raises:
@@ -276,9 +278,12 @@ class TrajectoryDataset(EpochCursor, IterableDataset):
 
     def pack(self, record: TrajectoryRecord) -> PackedSample:
         """Pack a record with this dataset's schedule settings (for the current epoch)."""
-        seed = derive_seed("jf-noise-epoch", self.seed, self.epoch) if self.resample_noise_per_epoch else self.seed
+        resample = self.resample_noise_per_epoch
+        seed = derive_seed("jf-noise-epoch", self.seed, self.epoch) if resample else self.seed
+        phase = epoch_phase(self.seed, self.epoch, record.sample_id, self.window_size) if resample else 0
         # The record was validated when decoded.
-        return pack_record(record, self.schedule, self.window_size, seed, self.consistency, validate=False)
+        return pack_record(record, self.schedule, self.window_size, seed, self.consistency, validate=False,
+                           phase=phase)
 
     def __iter__(self) -> Iterator[PackedSample]:
         info = get_worker_info()

@@ -146,6 +146,7 @@ def pack_record(
     consistency: str = "all",
     *,
     validate: bool = True,
+    phase: int = 0,
 ) -> PackedSample:
     """Pack one trajectory record into ``[prompt, noisy B_1, clean B_1, ...]`` (paper Sec. 4.1, Eq. 7).
 
@@ -160,6 +161,8 @@ def pack_record(
             the noisy and clean copies of block ``i`` differ (the reference code's choice; a block whose
             noisy copy equals its fixed point then contributes no pairs).
         validate: run ``record.validate()`` first.
+        phase: shift of the ``progressive`` / ``reverse`` ramp (:func:`~megatron_jf.data.schedule.noise_targets`;
+            0: Eq. 7 as written).
 
     Returns:
         A :class:`PackedSample` (all tensors on CPU).
@@ -185,7 +188,7 @@ def pack_record(
             raise ValueError(f"sample {sid!r}: explicit targets have shape {tuple(schedule.shape)}, expected [{N}]")
         targets = schedule.to(torch.float64)
     else:
-        targets = noise_targets(schedule, N, window_size, seed=seed, sample_id=sid)
+        targets = noise_targets(schedule, N, window_size, seed=seed, sample_id=sid, phase=phase)
 
     lens = torch.tensor([b.length for b in blocks], dtype=torch.int64)  # [N]
     states = torch.tensor([b.num_states for b in blocks], dtype=torch.int64)  # [N]

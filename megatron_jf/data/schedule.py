@@ -31,6 +31,7 @@ __all__ = [
     "SCHEDULES",
     "derive_seed",
     "noise_targets",
+    "epoch_phase",
     "first_mismatch",
     "unconverged_fraction",
     "unconverged_fractions",
@@ -71,6 +72,7 @@ def noise_targets(
     *,
     seed: int = 0,
     sample_id: str = "",
+    phase: int = 0,
 ) -> torch.Tensor:
     """Per-block target noise levels ``t_i`` (paper Eq. 7 and variants, see module docstring).
 
@@ -79,6 +81,9 @@ def noise_targets(
         num_blocks: ``N >= 0`` blocks.
         window_size: ``w >= 1``.
         seed, sample_id: only used by ``random`` (the draw depends on both and on the block index).
+        phase: ``progressive`` / ``reverse`` only: shift the ramp by ``phase`` blocks, ``t_i = ((i + phase) mod w)
+            / w`` (0: Eq. 7 as written). Re-drawing a record's noisy states per epoch
+            (:func:`epoch_phase`) uses it, so that over epochs every block meets every level of the window.
 
     Returns:
         float64 ``[N]`` tensor with values in ``{0, 1/w, ..., (w-1)/w}``.
@@ -93,7 +98,7 @@ def noise_targets(
     if not isinstance(num_blocks, int) or num_blocks < 0:
         raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
     w = window_size
-    i = torch.arange(num_blocks, dtype=torch.int64)
+    i = torch.arange(num_blocks, dtype=torch.int64) + int(phase)
     if schedule == "progressive":
         k = i % w
     elif schedule == "reverse":
@@ -102,6 +107,22 @@ def noise_targets(
         base = derive_seed("jf-noise", seed, sample_id)
         k = torch.tensor([_splitmix64(base + j) % w for j in range(num_blocks)], dtype=torch.int64)
     return k.to(torch.float64) / w
+
+
+def epoch_phase(seed: int, epoch: int, sample_id: str, window_size: int) -> int:
+    """The schedule phase of record ``sample_id`` in ``epoch`` when noisy states are re-drawn every epoch
+    (``--resample-noise-per-epoch``): 0 in epoch 0 (the paper's schedule, Eq. 7), then a portable hash of
+    ``(seed, epoch, sample_id)`` modulo ``w`` -- each epoch shifts each record's ramp by its own amount, so multi-epoch
+    training pairs each block with states of other noise levels instead of the same state every epoch.
+
+    Raises:
+        ValueError: ``epoch < 0`` or ``window_size < 1``.
+    """
+    if epoch < 0 or window_size < 1:
+        raise ValueError(f"need epoch >= 0 and window_size >= 1, got {epoch}, {window_size}")
+    if epoch == 0:
+        return 0
+    return _splitmix64(derive_seed("jf-noise-phase", seed, epoch, sample_id)) % window_size
 
 
 def first_mismatch(drafts: torch.Tensor, fixed_point: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,7 @@ class DecodeConfig:
 
     Raises:
         ValueError: unknown decoder, draft init or draft width, n < 1, K < 1, r outside (0, 1], verification size
-            < 1, prompt lookup bounds outside 1 <= min <= max (or max = 0).
+            < 1, n-gram pool size < 1, prompt lookup bounds outside 1 <= min <= max (or max = 0).
     """
 
     decoder: str = "ar"
@@ -68,6 +68,8 @@ class DecodeConfig:
             raise ValueError(f"spawn threshold r must be in (0, 1], got {self.spawn_threshold}")
         if self.verification_size < 1:
             raise ValueError(f"verification size must be >= 1, got {self.verification_size}")
+        if self.ngram_pool_size < 1:
+            raise ValueError(f"n-gram pool size must be >= 1, got {self.ngram_pool_size}")
         if self.draft_init not in DRAFT_INITS:
             raise ValueError(f"unknown draft init {self.draft_init!r}; choose one of {', '.join(DRAFT_INITS)}")
         if self.draft_width not in DRAFT_WIDTHS:

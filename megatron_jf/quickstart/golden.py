@@ -7,10 +7,16 @@ rounds logged (``L_pc`` first and last, ``L_AR``, the anchor term) -- are compar
 the losses, masks, packing, noise schedule or decoders that moves what the smoke run learns fails CI.
 
 The fixture is written by this module's command line from a smoke run (``--write``), which keeps the tolerances
-already in the file and records the environment and the command; see ``tests/fixtures/README.md``::
+already in the file and records the environment and the CPU numerics the run was made under (ATen's CPU capability
+and the AVX2 pin of :mod:`megatron_jf.cpu_numerics`; every figure depends on them). The run is made pinned, so that
+every x86 CPU computes the same figures; see ``tests/fixtures/README.md``::
 
+    export ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
     python -m megatron_jf.quickstart.pipeline --smoke --threads 1 --out runs/quickstart-smoke --fresh
     python -m megatron_jf.quickstart.golden runs/quickstart-smoke --write tests/fixtures/quickstart_smoke_golden.json
+
+``--compare`` prints both sides' CPU numerics and, when figures are out of tolerance and the code paths differ,
+names that as the likely cause.
 """
 
 from __future__ import annotations
@@ -22,9 +28,10 @@ import platform
 import sys
 from pathlib import Path
 
+from megatron_jf.cpu_numerics import describe, numerics_mismatch
 from megatron_jf.fileio import atomic_write_json
 
-__all__ = ["CHECKPOINTS", "run_figures", "compare", "default_tolerance", "main"]
+__all__ = ["CHECKPOINTS", "run_figures", "run_numerics", "compare", "default_tolerance", "main"]
 
 #: report label -> checkpoint directory of the quickstart's models
 CHECKPOINTS = {"base": "base", "JF round 1": "jf1", "JF round 2": "jf2"}
@@ -91,6 +98,27 @@ def run_figures(out: str | Path) -> dict[str, float]:
     return {k: float(v) for k, v in sorted(fig.items())}
 
 
+def run_numerics(out: str | Path) -> dict | None:
+    """The CPU numerics (:func:`megatron_jf.cpu_numerics.cpu_numerics`) a quickstart work directory's stages ran
+    under, from their ``<stage>.done`` markers; None when no marker records them (a run made before they did).
+
+    Raises:
+        ValueError: the stages ran under different ones (a run resumed on another CPU or with another pin): its
+            figures mix two code paths and match no fixture.
+    """
+    seen = []
+    for marker in sorted(Path(out).glob("*.done")):
+        rec = json.loads(marker.read_text(encoding="utf-8")).get("cpu_numerics")
+        if rec is not None:
+            key = {k: rec.get(k) for k in ("capability", "pin")}
+            if key not in [{k: s.get(k) for k in ("capability", "pin")} for _, s in seen]:
+                seen.append((marker.stem, rec))
+    if len(seen) > 1:
+        raise ValueError("its stages ran under different CPU numerics: "
+                         + "; ".join(f"{stage}: {describe(rec)}" for stage, rec in seen))
+    return seen[0][1] if seen else None
+
+
 def default_tolerance(name: str, value: float) -> float:
     """The absolute tolerance a new figure gets in the fixture (edit the file to tighten or widen one): TPF 0.05,
     distinct-2 0.03, losses and NLL 1% of the value (TPF and distinct-2 leave room for one greedy near-tie decided
@@ -152,21 +180,33 @@ def main(argv=None) -> int:
         fig = run_figures(a.run)
     except (OSError, KeyError, ValueError) as e:
         raise SystemExit(f"error: {a.run}: not a finished quickstart run ({e})") from None
+    try:
+        numerics = run_numerics(a.run)
+    except ValueError as e:
+        raise SystemExit(f"error: {a.run}: {e}") from None
     if a.compare:
-        bad = compare(fig, json.loads(Path(a.compare).read_text(encoding="utf-8")))
+        fixture = json.loads(Path(a.compare).read_text(encoding="utf-8"))
+        print(f"golden figures made under: {describe(fixture.get('numerics'))}")
+        print(f"this run made under:       {describe(numerics)}")
+        bad = compare(fig, fixture)
         print("\n".join(bad) if bad else f"all {len(fig)} figures within tolerance of {a.compare}")
+        why = numerics_mismatch(fixture.get("numerics"), numerics)
+        if bad and why:
+            print(f"likely cause: {why}")
         return 1 if bad else 0
     if a.write:
         path = Path(a.write)
         old = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
         tols = {k: v["tol"] for k, v in (old.get("figures") or {}).items()}
-        doc = {k: v for k, v in old.items() if k not in ("figures", "environment")}
+        doc = {k: v for k, v in old.items() if k not in ("figures", "environment", "numerics")}
         doc["environment"] = _environment()
+        doc["numerics"] = numerics
         doc["figures"] = {k: {"value": round(v, 5), "tol": tols.get(k, default_tolerance(k, v))}
                           for k, v in fig.items()}
         atomic_write_json(path, doc, indent=1)
         print(f"wrote {len(fig)} figures to {path}")
         return 0
+    print(f"figures made under: {describe(numerics)}", file=sys.stderr)
     json.dump(fig, sys.stdout, indent=1)
     print()
     return 0

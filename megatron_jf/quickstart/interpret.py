@@ -10,12 +10,16 @@ the figures of a degenerate model say nothing about Jacobi Forcing."""
 
 from __future__ import annotations
 
-__all__ = ["TARGET_TPF", "TARGET_NLL_DRIFT", "TARGET_PASS_DELTA", "compare_rows", "flag_tags", "row_check",
+__all__ = ["TARGET_TPF", "TARGET_NLL_DRIFT", "TARGET_PASS_DELTA", "TARGET_TPF_GAIN", "TARGET_ACCURACY_DELTA",
+           "TARGET_DISTINCT4_DROP", "math_targets", "compare_rows", "flag_tags", "row_check",
            "warning_lines", "target_verdict", "interpretation_markdown"]
 
 TARGET_TPF = 1.5  #: Jacobi TPF at n=32 the real-model recipe aims for
 TARGET_NLL_DRIFT = 0.1  #: nats/token of held-out NLL increase allowed
 TARGET_PASS_DELTA = 2  #: problems of pass@1 the final model may lose against base (gains always meet the target)
+TARGET_TPF_GAIN = 0.5  #: math domain: held-out Jacobi TPF gain of the final model over the base model
+TARGET_ACCURACY_DELTA = 0.02  #: math domain: exact answers / right steps the final model may lose (fraction)
+TARGET_DISTINCT4_DROP = 0.15  #: math domain: relative drop of distinct-4 allowed
 
 #: short tags of the report's warnings (:func:`megatron_jf.quickstart.report._output_warnings` text -> tag)
 _TAGS = (("DEGENERATE OUTPUT", "degenerate output"), ("L_pc IDENTICALLY ZERO", "L_pc identically zero"))
@@ -60,6 +64,35 @@ def _pct(x):
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def math_targets(summary: dict, base: str, final: str, flagged: dict | None = None) -> list[str]:
+    """The math domain's targets, base vs final model, one sentence each: held-out Jacobi TPF gain >= 0.5, exact
+    answers and right steps at most 2 points below base, in-domain held-out NLL drift <= 0.1 nat/token, distinct-4
+    at most 15 % below base; each met / missed, or not meaningful when a model is flagged."""
+    flagged, pair = flagged or {}, (base, final)
+    rows = {(r["model"], r["decoder"].split(" ")[0]): r for r in summary["rows"]}
+    b, f = rows[(base, "Jacobi")], rows[(final, "Jacobi")]
+    q = summary["math_quality"]
+    gain, drift = f["tpf"] - b["tpf"], f["nll"] - b["nll"]
+    d4 = f["distinct4"] / b["distinct4"] - 1 if b["distinct4"] else float("nan")
+    out = [f"Held-out Jacobi TPF {b['tpf']:.2f} -> {f['tpf']:.2f} ({gain:+.2f}): target a gain >= {TARGET_TPF_GAIN} "
+           f"{target_verdict(gain >= TARGET_TPF_GAIN, flagged, pair)}."]
+    tt = summary.get("template_tpf") or {}
+    if base in tt and final in tt:
+        out.append(f"On held-out templates (never trained on): {tt[base]:.2f} -> {tt[final]:.2f} "
+                   f"({tt[final] - tt[base]:+.2f}).")
+    for key, what in (("accuracy", "Exact answers"), ("step_accuracy", "Arithmetically right steps")):
+        d = q[final][key] - q[base][key]
+        out.append(f"{what} {100 * q[base][key]:.1f}% -> {100 * q[final][key]:.1f}% ({100 * d:+.1f} points): target "
+                   f"at most {100 * TARGET_ACCURACY_DELTA:.0f} points below base "
+                   f"{target_verdict(d >= -TARGET_ACCURACY_DELTA, flagged, pair)}.")
+    out.append(f"In-domain held-out NLL drift {drift:+.3f} nat/token: target <= {TARGET_NLL_DRIFT} "
+               f"{target_verdict(drift <= TARGET_NLL_DRIFT, flagged, pair)} (teacher forced on the held-out problems' "
+               "ground-truth answers).")
+    out.append(f"Distinct-4 {b['distinct4']:.3f} -> {f['distinct4']:.3f} ({100 * d4:+.1f} %): target at most "
+               f"{100 * TARGET_DISTINCT4_DROP:.0f} % below base {target_verdict(d4 >= -TARGET_DISTINCT4_DROP, flagged, pair)}.")
+    return out
+
+
 def interpretation_markdown(summary: dict) -> str:
     """Markdown for ``summary`` (the report's ``report.json`` content; uses ``rows`` and, when present,
     ``warnings`` and ``learning_curve``)."""
@@ -82,7 +115,9 @@ def interpretation_markdown(summary: dict) -> str:
                      f"{f['nll']:.3f} ({f['nll'] - b['nll']:+.3f}) | {100 * f['tf_agreement_with_base']:.1f}% | "
                      f"{b['distinct4']:.3f} -> {f['distinct4']:.3f} |")
     jac = next((c for c in cmp if c["decoder"].startswith("Jacobi")), None)
-    if jac is not None:
+    if jac is not None and summary.get("math_quality"):
+        lines += [""] + [f"- {t}" for t in math_targets(summary, base, final, flagged)]
+    elif jac is not None:
         t, drift = jac["final"]["tpf"], jac["final"]["nll"] - jac["base"]["nll"]
         tpf_v = target_verdict(t >= TARGET_TPF, flagged, pair)
         nll_v = target_verdict(drift <= TARGET_NLL_DRIFT, flagged, pair)

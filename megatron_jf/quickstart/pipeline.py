@@ -35,6 +35,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from megatron_jf.fileio import atomic_write_json, atomic_write_text
+from megatron_jf.cpu_numerics import cpu_numerics, pin_command
 from megatron_jf.quickstart.costs import cpu_seconds
 
 REPO = Path(__file__).resolve().parents[2]
@@ -108,12 +109,43 @@ class Preset:
     # "bf16": training under bf16 autocast with fp32 master weights (pretrain_jf.py --precision bf16) and trajectory
     # collection in bf16 weights (--bf16), on CPUs with AVX-512 BF16 / AMX (megatron_jf.precision). The report stays
     # fp32: it asserts every decoder's output equal to greedy AR, which bf16 rounding can break at near-tied logits.
-    precision: str = "fp32"
+    precision: str = "fp32"  # or "auto": training in bf16 autocast where the CPU has native bf16, else fp32;
+    # trajectory collection stays fp32 (its fixed points are the report's fp32 greedy output)
     # round 2's own recipe (None: round 1's value). After a round-2 sweep (quickstart/sweep.py) a work directory whose
     # round 1 is done finishes with the chosen values: they may change while the jf2 stage has not started.
     jf2_lr: float | None = None
     jf2_ar_weight: float | None = None
     jf2_anchor_weight: float | None = None
+    # progressive distillation rounds: 2 (paper Sec. 4.1: n1/w1, regenerate, n2/w2) or 1 (traj2/jf2 skipped; the
+    # report decodes at n1)
+    rounds: int = 2
+    # which (block, offset) pairs carry L_pc (pretrain_jf.py --consistency-positions): "all" or "from_first_diff"
+    # (the official code's: offsets from the first unconverged token)
+    consistency_positions: str = "all"
+    resample_noise: bool = False  # re-draw each record's noisy states every epoch (--resample-noise-per-epoch)
+    # what L_AR (paper Eq. 9, weight jf_ar_weight) trains on: "self" (the clean blocks: the model's own greedy
+    # output, the paper's) or "ground_truth" (CLLM's use_gt_labels: the training prompts with their ground-truth
+    # answers, math domain only; next-token CE on them through pretrain_jf.py's --anchor-data rows, with --ar-weight 0
+    # on the clean blocks; excludes the corpus anchor)
+    ar_target: str = "self"
+    # math domain (corpus="gsm_symbolic", megatron_jf/quickstart/math_domain.py): problem counts, templates held out
+    # from everything, arithmetic drills' share of the pretraining tokens
+    n_pretrain_problems: int = 0
+    n_eval_template_prompts: int = 0
+    heldout_templates: int = 9
+    drill_fraction: float = 0.0
+    collect_procs: int = 1  # data-parallel processes of the trajectory collection (torchrun, one thread each)
+    noisy_prompts: int = 0  # report: noisy-token accuracy on the base model's trajectories of this many eval prompts
+
+    @property
+    def report_n(self) -> int:
+        """The block size the report decodes at: the last round's (``n2``, or ``n1`` with one round)."""
+        return self.n2 if self.rounds == 2 else self.n1
+
+    @property
+    def math(self) -> bool:
+        """The math domain (GSM8K-style problems) instead of code."""
+        return self.corpus == "gsm_symbolic"
 
     def round_recipe(self, stage: str) -> tuple[float, float, float]:
         """``(peak lr, AR weight w of paper Eq. 9, anchor weight)`` of JF round ``stage`` (``"jf1"`` or ``"jf2"``; the
@@ -145,6 +177,17 @@ PRESETS = {
     "default": Preset("default", corpus="packages:httpx,uvicorn,tqdm,webdataset,prometheus_client,einops,rich,"
                       "fastapi,gguf", vocab_size=2048, pretrain_steps=480, pretrain_lr=3e-3, repetition_filter=True,
                       jf_lr=1e-4, jf2_steps=64, fit_prompts=16),
+    # The math domain (issue 31): GSM8K-style problems with chain-of-thought answers (reasoning-gym's GSM-Symbolic
+    # generators, megatron_jf/quickstart/math_domain.py), one Jacobi Forcing round at n=16 on thousands of the base
+    # model's own trajectories, with the official code's recipe choices (L_pc from the first unconverged token,
+    # noisy states re-drawn every epoch). Sizes: docs/results.md ("Math domain").
+    "math": Preset("math", corpus="gsm_symbolic", vocab_size=1024, n_pretrain_problems=40000, drill_fraction=0.2,
+                   pretrain_steps=1500, pretrain_seq=256, pretrain_mbs=16, pretrain_lr=3e-3, n_train_prompts=2000,
+                   n_eval_prompts=200, n_eval_template_prompts=100, response_tokens=224, collect_batch=128,
+                   collect_procs=2, rounds=1, n1=16, w1=16, jf1_steps=500, jf_mbs=8, jf_lr=3e-4, anchor_weight=0.0,
+                   consistency_positions="from_first_diff", resample_noise=True, repetition_filter=True,
+                   eval_block_sizes=(8, 16, 32), timing_prompts=4, fit_prompts=16, noisy_prompts=100,
+                   report_models=("base", "jf1"), precision="auto"),
     # Sized from rates measured on SmolLM2-135M on this 2-core machine (docs/quickstart_real_costs.md): round 1
     # collects n=16 trajectories (up to 128 new tokens) of 256 decontaminated function-stub prompts and trains
     # one pass over them (128 steps x 2), round 2 regenerates 96 of them at n=32 with the round-1 model (48 steps
@@ -158,6 +201,15 @@ PRESETS = {
                    eval_block_sizes=(32,), timing_prompts=2, nll_chunks=16, prompt_tokens=96,
                    report_models=("base", "jf2"), jf_saves=2, learning_curve=True, curve_tpf_prompts=12),
 }
+
+
+def free_port() -> int:
+    """A free TCP port on localhost (torchrun's rendezvous of a data-parallel collection)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def vllm_python() -> str | None:
@@ -226,6 +278,7 @@ class Pipeline:
                 info = fn() or {}
                 info["seconds"] = round(time.time() - ts, 1)
                 info["cpu_seconds"] = round(cpu_seconds() - cpu0, 1)  # this process and its subprocesses
+                info["cpu_numerics"] = cpu_numerics()  # the kernels' code path (the stages inherit this env)
                 self.mark(name, info)
                 self.log(f"[{name}] finished in {info['seconds']:.0f} s ({info['cpu_seconds']:.0f} CPU s)")
             if name == until:
@@ -243,6 +296,10 @@ class Pipeline:
 
         if self.p.real:
             return {"skipped": "model B brings its own tokenizer (held-out NLL tokens are made in the prompts stage)"}
+        if self.p.math:
+            from megatron_jf.quickstart import math_domain
+
+            return math_domain.stage_corpus(self)
         files = self.corpus_files()
         train, held = split_files(files)
         tok_dir = self.path("tokenizer")
@@ -339,6 +396,10 @@ class Pipeline:
         from megatron_jf.quickstart.corpus import list_corpus_files, make_prompt_sets
         from megatron_jf.tokenizer import load_tokenizer
 
+        if self.p.math:
+            from megatron_jf.quickstart import math_domain
+
+            return math_domain.stage_prompts(self)
         tok = load_tokenizer(self._tokenizer_dir())
         files = list_corpus_files() if self.p.real else self.corpus_files()
         if self.p.prompt_source == "functions":
@@ -413,6 +474,8 @@ class Pipeline:
         """Jacobi trajectories of ``model`` at block size ``n`` on the training prompts (round 2: the first
         ``traj2_prompts`` of them when set, written to ``prompts_traj2.jsonl``)."""
         p = self.p
+        if stage == "traj2" and p.rounds == 1:
+            return {"skipped": "one round of Jacobi Forcing (Preset.rounds = 1)"}
         prompts = self.path("prompts_train.jsonl")
         if stage == "traj2" and p.traj2_prompts:
             lines = prompts.read_text().splitlines(keepends=True)[:p.traj2_prompts]
@@ -432,6 +495,10 @@ class Pipeline:
         else:
             self.log(f"[{stage}] collector: this project's engine" + (" (vLLM not installed: no .venv-vllm)"
                                                                       if p.real else ""))
+            if p.collect_procs > 1:  # data-parallel ranks, each its own slice of the prompts and one thread
+                args[args.index("--threads") + 1] = 1
+                args = ["-m", "torch.distributed.run", "--nproc_per_node", p.collect_procs, "--master_port",
+                        free_port(), *args, "--no-progress"]
             self.run(args + ["--load", self.path(model)], stage)
         man = json.loads(self.path(stage, "manifest.json").read_text())
         records = man.get("counts", {}).get("records", man.get("records"))
@@ -444,13 +511,27 @@ class Pipeline:
     def stage_jf(self, stage: str, init: str, data: str, n: int, w: int, steps: int) -> dict:
         """One Jacobi Forcing round from ``init`` on trajectory shards ``data`` (block n, window w)."""
         p = self.p
+        if stage == "jf2" and p.rounds == 1:
+            return {"skipped": "one round of Jacobi Forcing (Preset.rounds = 1)"}
         lr, ar_weight, anchor_weight = p.round_recipe(stage)
         anchor = []
-        if anchor_weight > 0:
+        if p.ar_target == "ground_truth":  # L_AR on ground-truth answers instead of the model's own output
+            if anchor_weight > 0:
+                raise ValueError("ar_target='ground_truth' trains L_AR through the anchor rows: the corpus anchor "
+                                 "(anchor weight > 0) cannot be used with it")
+            if not self.path("tokens_gt_train.npy").is_file():
+                raise ValueError("ar_target='ground_truth' needs ground-truth answers (the math domain's "
+                                 "tokens_gt_train.npy)")
+            anchor = ["--anchor-data", self.path("tokens_gt_train.npy"), "--anchor-weight", ar_weight,
+                      "--anchor-seq-length", p.pretrain_seq, "--anchor-micro-batch-size", p.anchor_mbs]
+            ar_weight = 0.0
+        elif anchor_weight > 0:
             anchor = ["--anchor-data", self.anchor_tokens(), "--anchor-weight", anchor_weight,
                       "--anchor-seq-length", p.pretrain_seq, "--anchor-micro-batch-size", p.anchor_mbs]
+        recipe = ["--consistency-positions", p.consistency_positions]
+        recipe += ["--resample-noise-per-epoch"] if p.resample_noise else []
         self.run(["pretrain_jf.py", "--objective", "jf", *self._train_precision(), "--load", self.path(init),
-                  "--data", self.path(data), *anchor,
+                  "--data", self.path(data), *anchor, *recipe,
                   "--block-size", n, "--window-size", w, "--micro-batch-size", p.jf_mbs, "--train-steps", steps,
                   "--lr", lr, "--min-lr", lr / 10, "--warmup-steps", max(1, steps // 20),
                   "--ar-weight", ar_weight, "--pc-weight", p.jf_pc_weight, "--save", self.path(stage),
@@ -459,6 +540,10 @@ class Pipeline:
         return {"block_size": n, "window_size": w, "steps": steps}
 
     def _train_precision(self) -> list:
+        if self.p.precision == "auto":
+            from megatron_jf.precision import cpu_bf16_supported
+
+            return ["--precision", "bf16"] if cpu_bf16_supported() else []
         return ["--precision", "bf16"] if self.p.precision == "bf16" else []
 
     def anchor_tokens(self) -> Path:
@@ -502,7 +587,8 @@ RECIPE = {
                                             "without it)"),
     "anchor_weight": ("--anchor-weight", float, "weight of the real-text anchor term (next-token CE on stdlib "
                                                 "train-split text; 0: off; round 2: --jf2-anchor-weight when given)"),
-    "precision": ("--precision", ("fp32", "bf16"), "training (bf16 autocast, fp32 master weights) and trajectory "
+    "precision": ("--precision", ("fp32", "bf16", "auto"), "auto: bf16 training where the CPU has native bf16, "
+                  "else fp32; bf16: training (bf16 autocast, fp32 master weights) and trajectory "
                   "collection (bf16 weights); bf16 needs a CPU with AVX-512 BF16 or AMX; the report is always fp32"),
     "traj2_prompts": ("--traj2-prompts", int, "round-2 trajectories: the first N training prompts (0: all)"),
     "jf2_steps": ("--jf2-steps", int, "round-2 optimizer steps (x the micro-batch: samples)"),
@@ -568,10 +654,18 @@ def _check_resume(out: Path, preset: Preset) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``bash examples/quickstart.sh`` (``python -m megatron_jf.quickstart.pipeline``)."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"CI's figures: CI runs `--smoke --threads 1` with the CPU kernels pinned to AVX2 ({pin_command()}, "
+               "megatron_jf/cpu_numerics.py) and compares them with tests/fixtures/quickstart_smoke_golden.json. "
+               "To reproduce them on any x86 CPU: "
+               f"`{pin_command()} bash examples/quickstart.sh --smoke --threads 1 --out runs/smoke`, then "
+               "`python -m megatron_jf.quickstart.golden runs/smoke --compare tests/fixtures/quickstart_smoke_golden.json`. "
+               "Unpinned, an AVX-512 CPU takes other kernels and its figures can differ by a greedy near-tie.")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--smoke", action="store_true",
-                   help="tiny sizes, ~8 min on one core (CI runs it and compares its figures with golden values)")
+                   help="tiny sizes, ~8 min on one core (CI runs it pinned to AVX2 kernels and compares its figures "
+                        "with golden values: see the end of this help)")
     g.add_argument("--real", action="store_true", help="model B: SmolLM2-135M-Instruct (~2 h on 2 idle cores)")
     ap.add_argument("--out", default=None, help="work directory (default runs/quickstart-<preset>)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads per process (default 2)")

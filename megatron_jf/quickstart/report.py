@@ -53,6 +53,39 @@ def heldout_nll(model, tokens: np.ndarray, chunks: int, seq: int = 256) -> tuple
     return total / count, torch.cat(preds)
 
 
+@torch.no_grad()
+def answer_nll(model, rows: list[dict], eos: int, batch: int = 16) -> tuple[float, torch.Tensor]:
+    """Teacher-forced quality on held-out problems: mean NLL (nats/token) of the ground-truth answers given their
+    questions -- the task's conditional distribution. (Jacobi Forcing trains no question token, so a stream NLL
+    over questions and answers together mostly measures how well the model still writes questions.)
+
+    Args:
+        rows: ``{"prompt_ids", "response_ids"}`` per problem; the response is followed by ``eos``.
+
+    Returns:
+        ``(nll, argmax)``: the mean over every answer token (and the final EOS), and the model's greedy next-token
+        predictions at those positions, int64 ``[total answer tokens]`` (teacher-forced agreement across models).
+    """
+    from megatron_jf.inference.forward import forward_logits
+
+    total, count, preds = 0.0, 0, []
+    for i in range(0, len(rows), batch):
+        seqs = [r["prompt_ids"] + r["response_ids"] + [eos] for r in rows[i:i + batch]]
+        L = max(map(len, seqs))
+        tokens = torch.zeros((len(seqs), L), dtype=torch.int64)
+        for j, sq in enumerate(seqs):
+            tokens[j, : len(sq)] = torch.tensor(sq)
+        logits = forward_logits(model, tokens, torch.arange(L).expand(len(seqs), L)).float()
+        for j, (r, sq) in enumerate(zip(rows[i:i + batch], seqs)):
+            P = len(r["prompt_ids"])
+            pos = torch.arange(P - 1, len(sq) - 1)
+            target = tokens[j, P: len(sq)]
+            total += float(torch.nn.functional.cross_entropy(logits[j, pos], target, reduction="sum"))
+            count += target.numel()
+            preds.append(logits[j, pos].argmax(-1))
+    return total / max(count, 1), torch.cat(preds)
+
+
 def distinct4(seqs) -> float:
     """Distinct 4-gram ratio of token sequences (1.0 = no repeated 4-gram; low values mean loops)."""
     grams, total = set(), 0
@@ -82,14 +115,21 @@ def build_report(pipe) -> dict:
     prompts = [r["prompt_ids"] for r in prompt_rows]
     fit = [json.loads(l)["prompt_ids"] for l in open(pipe.path("prompts_train.jsonl"))][: p.fit_prompts]
     held = np.load(pipe.path("tokens_heldout.npy")) if pipe.path("tokens_heldout.npy").exists() else None
-    n = p.n2
-    # the paper's decoders (whole draft every step, no context n-grams): the report measures the method's TPF
+    if p.math:  # in-domain held-out NLL: answers given questions (answer_nll)
+        held = [json.loads(l) for l in open(pipe.path("nll_eval.jsonl"))]
+    n = p.report_n
+    template = []  # math domain: problems of templates held out from everything (Jacobi TPF there too)
+    noisy_records = None  # math domain: the base model's trajectories on held-out problems (noisy-token accuracy)
+    if p.math:
+        template = [json.loads(l)["prompt_ids"] for l in open(pipe.path("prompts_eval_template.jsonl"))]
+        if p.noisy_prompts:
+            noisy_records = _base_heldout_trajectories(pipe, prompt_rows[: p.noisy_prompts])
     decoders = {"AR": DecodeConfig("ar"), f"Jacobi (n={n})": DecodeConfig("jacobi", block_size=n, **PAPER),
                 f"MR (n={n}, K=2, r=0.85, v=4)": DecodeConfig("mr", block_size=n, num_blocks=2, spawn_threshold=0.85,
                                                            verification_size=4, **PAPER)}
     labels = {"base": "base", "jf1": "JF round 1", "jf2": "JF round 2"}
     models = {labels[ck]: ck for ck in p.report_models}
-    rows, curves, outputs, tf_argmax, jacobi_tpf, fit_tpf = [], {}, {}, {}, {}, {}
+    rows, curves, outputs, tf_argmax, jacobi_tpf, fit_tpf, extras = [], {}, {}, {}, {}, {}, {}
     R = p.response_tokens
     for label, ck in models.items():
         # one model's results are kept in report/eval_<ckpt>.json, so a report stage killed (or failing) after a
@@ -98,7 +138,8 @@ def build_report(pipe) -> dict:
         key = {"checkpoint": ck, "checkpoint_time": saved, "prompts": prompts, "response_tokens": R,
                "decoders": list(decoders), "block_sizes": list(p.eval_block_sizes),
                "timing_prompts": p.timing_prompts, "timing_rounds": p.timing_rounds,
-               "timing_threads": p.timing_threads, "nll_chunks": p.nll_chunks, "fit_prompts": fit}
+               "timing_threads": p.timing_threads, "nll_chunks": p.nll_chunks, "fit_prompts": fit,
+               "template_prompts": template, "noisy_prompts": p.noisy_prompts}
         cache = out_dir / f"eval_{ck}.json"
         try:
             res = json.loads(cache.read_text())
@@ -108,7 +149,8 @@ def build_report(pipe) -> dict:
             pipe.log(f"[report] {label}: evaluated earlier ({cache})")
         else:
             pipe.log(f"[report] evaluating {label}")
-            res = _evaluate_model(pipe.path(ck), label, prompts, held, decoders, p, eos, fit)
+            res = _evaluate_model(pipe.path(ck), label, prompts, held, decoders, p, eos, fit, template,
+                                  noisy_records)
             atomic_write_json(cache, dict(res, key=key), indent=None)
         rows += res["rows"]
         curves[label] = {int(k): v for k, v in res["curve"].items()}
@@ -117,6 +159,9 @@ def build_report(pipe) -> dict:
         jacobi_tpf[label] = res["jacobi_tpf"]
         if res.get("fit_tpf") is not None:
             fit_tpf[label] = res["fit_tpf"]
+        for key in ("template_tpf", "noisy_accuracy"):
+            if res.get(key) is not None:
+                extras.setdefault(key, {})[label] = res[key]
     # speedup vs the faster AR of the same model (this project's or transformers greedy), measured in the same run
     for r in rows:
         ars = [x for x in rows if x["model"] == r["model"] and x["decoder"] in ("AR", HF_ROW)]
@@ -124,6 +169,15 @@ def build_report(pipe) -> dict:
         r["speedup"] = r["tps"] / fastest["tps"]
         r["fastest_ar"] = fastest["decoder"]
     pass1 = _humaneval_pass1(prompt_rows, outputs, tok) if "task_id" in prompt_rows[0] else {}
+    math_quality = None
+    if p.math:  # exact answers and arithmetically right steps of the greedy outputs (every decoder's: lossless)
+        from megatron_jf.quickstart.math_domain import load_problems, quality
+
+        answer = {r["id"]: r["answer"] for r in load_problems(pipe.out, "heldout")}
+        math_quality = quality(outputs, [answer[r["id"]] for r in prompt_rows],
+                               lambda t: tok.decode([x for x in t if x not in eos]))
+        for r in rows:
+            r.update({k: math_quality[r["model"]][k] for k in ("accuracy", "step_accuracy")})
     for r in rows:
         r["pass@1"] = pass1.get(r["model"])
     base_out = outputs["base"]
@@ -140,14 +194,16 @@ def build_report(pipe) -> dict:
     summary = {"preset": p.name, "rows": rows, "tpf_by_block_size": curves, "eval_prompts": len(prompts),
                "timing_prompts": min(p.timing_prompts, len(prompts)), "timing_rounds": p.timing_rounds,
                "response_tokens": R, "warnings": {m: w for m, w in warnings.items() if w}, "output_stats": stats,
-               "fit_tpf": fit_tpf, "fit_prompts": len(fit), "n": n}
+               "fit_tpf": fit_tpf, "fit_prompts": len(fit), "n": n, "math_quality": math_quality,
+               "template_tpf": extras.get("template_tpf"), "template_prompts": len(template),
+               "noisy_accuracy": extras.get("noisy_accuracy"), "noisy_prompts": p.noisy_prompts if noisy_records else 0}
     extra_md = ""
     if getattr(p, "learning_curve", False):  # TPF and pass@1 at every saved checkpoint (learning_curve.py)
         from megatron_jf.quickstart.learning_curve import curve_markdown, evaluate_curve, plot_curve
 
         summary["learning_curve"] = evaluate_curve(pipe, prompt_rows, eos)
-        plot_curve(out_dir, summary["learning_curve"], p.n2)
-        extra_md += curve_markdown(summary["learning_curve"], p.n2)
+        plot_curve(out_dir, summary["learning_curve"], p.report_n)
+        extra_md += curve_markdown(summary["learning_curve"], p.report_n)
     from megatron_jf.quickstart.interpret import interpretation_markdown  # base vs final JF against the targets
 
     extra_md += interpretation_markdown(summary)
@@ -168,13 +224,14 @@ def build_report(pipe) -> dict:
     return {"report": str(out_dir / "report.md")}
 
 
-def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos, fit=()) -> dict:
+def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos, fit=(), template=(), noisy_records=None) -> dict:
     """One model: held-out NLL and argmax, then every decoder batched over all prompts (TPF; output asserted equal
     to greedy AR; :func:`megatron_jf.eval.speed.measure`), then at batch 1 on the first ``p.timing_prompts`` prompts
     next to ``transformers`` greedy, warm-up call each and interleaved rounds at ``p.timing_threads`` threads,
     fastest round kept (TPS; :func:`megatron_jf.quickstart.timing.time_interleaved`), then the Jacobi block-size
-    sweep, and the Jacobi TPF at ``n = p.n2`` on ``fit`` (training prompts: what Jacobi Forcing fit, next to the
-    held-out TPF).
+    sweep, and the Jacobi TPF at ``n = p.report_n`` on ``fit`` (training prompts: what Jacobi Forcing fit, next to
+    the held-out TPF) and on ``template`` (math domain: problems of held-out templates), and the noisy-token accuracy
+    by distance on ``noisy_records`` (:mod:`megatron_jf.eval.noisy_accuracy`).
 
     Returns:
         JSON-ready ``{"rows", "curve", "outputs", "tf_argmax", "jacobi_tpf", "fit_tpf"}`` (``fit_tpf`` None
@@ -192,7 +249,10 @@ def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos, fit=()) -> dic
     model = _load(ckpt)
     eng = Engine(model)
     R = p.response_tokens
-    nll, argmax = heldout_nll(model, held, p.nll_chunks) if held is not None else (float("nan"), None)
+    if isinstance(held, list):  # math domain: the held-out problems' ground-truth answers given their questions
+        nll, argmax = answer_nll(model, held, min(eos))
+    else:
+        nll, argmax = heldout_nll(model, held, p.nll_chunks) if held is not None else (float("nan"), None)
     kw = dict(max_new_tokens=R, eos_ids=eos, label=label)
     batched = measure(eng, prompts, decoders, batch_size=len(prompts), **kw)  # TPF and losslessness
     ref = batched.outputs
@@ -245,13 +305,39 @@ def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos, fit=()) -> dic
                             batch_size=len(prompts), reference=ref, **kw)
             curve[nb] = sweep.methods[name].tpf
     curve = {nb: curve[nb] for nb in p.eval_block_sizes}
-    fit_tpf = None
+    fit_tpf = template_tpf = noisy = None
     if fit:  # measure() adds the AR reference run and checks the Jacobi output against it
-        name = f"jacobi n={p.n2} (training prompts)"
-        fit_tpf = measure(eng, fit, {name: DecodeConfig("jacobi", block_size=p.n2, **PAPER)}, batch_size=len(fit),
+        name = f"jacobi n={p.report_n} (training prompts)"
+        fit_tpf = measure(eng, fit, {name: DecodeConfig("jacobi", block_size=p.report_n, **PAPER)}, batch_size=len(fit),
                           **kw).methods[name].tpf
+    if template:
+        name = f"jacobi n={p.report_n} (held-out templates)"
+        template_tpf = measure(eng, template, {name: DecodeConfig("jacobi", block_size=p.report_n, **PAPER)},
+                               batch_size=len(template), **kw).methods[name].tpf
+    if noisy_records:
+        from megatron_jf.eval.noisy_accuracy import noisy_accuracy
+
+        noisy = noisy_accuracy(model, noisy_records, max_states_per_block=3).summary()
     return {"rows": rows, "curve": curve, "outputs": ref, "jacobi_tpf": jacobi_tpf, "fit_tpf": fit_tpf,
+            "template_tpf": template_tpf, "noisy_accuracy": noisy,
             "tf_argmax": None if argmax is None else argmax.tolist()}
+
+
+def _base_heldout_trajectories(pipe, prompt_rows) -> list:
+    """The base model's Jacobi trajectories (block ``n1``, unfiltered) on ``prompt_rows`` (held-out problems), collected
+    once into ``report/traj_base_heldout`` (``tools/generate_trajectories.py``; resumable) and read back."""
+    from megatron_jf.data.shards import expand_sources, iter_shard
+
+    out = pipe.path("report", "traj_base_heldout")
+    if not (out / "manifest.json").is_file():
+        prompts = pipe.path("report", "prompts_noisy.jsonl")
+        atomic_write_text(prompts, "".join(json.dumps({"id": r["id"], "prompt_ids": r["prompt_ids"]}) + "\n"
+                                           for r in prompt_rows))
+        pipe.run(["tools/generate_trajectories.py", "--prompts", prompts, "--load", pipe.path("base"), "--out", out,
+                  "--block-size", pipe.p.n1, "--max-new-tokens", pipe.p.traj_response_tokens or pipe.p.response_tokens,
+                  "--batch-size", len(prompt_rows), "--no-filter", "--threads", pipe.p.threads, "--no-progress"],
+                 "report")
+    return [rec for path, _, _ in expand_sources(str(out)) for rec in iter_shard(path)]
 
 
 def _output_warnings(pipe, models: dict, outputs: dict, tok) -> tuple[dict, dict]:
@@ -329,7 +415,38 @@ def _markdown(s) -> str:
         lines += ["", f"Jacobi TPF (n={s.get('n')}) on the first {s['fit_prompts']} training prompts (what Jacobi "
                   "Forcing fit; everything above is on held-out prompts): "
                   + ", ".join(f"{m} {v:.2f}" for m, v in s["fit_tpf"].items()) + "."]
+    if s.get("math_quality"):
+        lines += _math_markdown(s)
     return "\n".join(lines) + "\n"
+
+
+def _math_markdown(s) -> list[str]:
+    """The math domain's table: quality (exact answers, arithmetically right steps) next to Jacobi TPF on held-out
+    problems and on held-out templates, and the noisy-token accuracy by distance on the base model's held-out
+    trajectories (what Jacobi Forcing teaches, on data a change of the model's own output cannot simplify)."""
+    mq, tt, na = s["math_quality"], s.get("template_tpf") or {}, s.get("noisy_accuracy") or {}
+    jac = {r["model"]: r["tpf"] for r in s["rows"] if r["decoder"].startswith("Jacobi")}
+    mr = {r["model"]: r["tpf"] for r in s["rows"] if r["decoder"].startswith("MR")}
+    keys = next((list(v) for v in na.values()), [])
+    ks = [k for k in keys if k.startswith("acc_k")]
+    out = ["", f"Math domain: exact answers (`#### N`) and arithmetically right `a op b = c` steps of the greedy answers "
+           f"to the {s['eval_prompts']} held-out problems; Jacobi / MR TPF (n={s['n']}) on them and Jacobi TPF on "
+           f"{s.get('template_prompts', 0)} problems of templates held out from everything; noisy-token accuracy: "
+           f"argmax right at distance k after the first wrong draft token, on the base model's Jacobi trajectories of "
+           f"{s.get('noisy_prompts', 0)} held-out problems (mean run: right tokens in a row from k=1).", "",
+           "| Model | exact answers | steps right | Jacobi TPF | MR TPF | held-out templates TPF | "
+           + " | ".join(k.replace("acc_k", "k=") for k in ks) + " | mean run |",
+           "|---|---|---|---|---|---|" + "---|" * (len(ks) + 1)]
+    for m, q in mq.items():
+        n = na.get(m) or {}
+        out.append(f"| {m} | {q['correct']}/{q['problems']} ({100 * q['accuracy']:.1f}%) | "
+                   + (f"{100 * q['step_accuracy']:.1f}% of {q['steps']}" if q["steps"] else "- (no step)")
+                   + f" | {jac.get(m, float('nan')):.2f} | "
+                   f"{mr.get(m, float('nan')):.2f} | "
+                   + (f"{tt[m]:.2f}" if m in tt else "-") + " | "
+                   + " | ".join(f"{n[k]:.3f}" if k in n else "-" for k in ks)
+                   + f" | {n.get('mean_run', float('nan')):.2f} |")
+    return out
 
 
 def _plots(out_dir, curves) -> None:
@@ -356,7 +473,7 @@ def _plots(out_dir, curves) -> None:
 def _trajectory_picture(pipe, out_dir, prompt, tok) -> None:
     """Figure-4-style pictures of one live Jacobi trajectory, base vs final JF model (tools/visualize_trajectory.py)."""
     text = tok.decode(prompt)
-    for label, ck in (("base", "base"), ("jf", "jf2")):
+    for label, ck in (("base", "base"), ("jf", pipe.p.report_models[-1])):
         pipe.run(["tools/visualize_trajectory.py", "--load", pipe.path(ck), "--prompt", text, "--block-size",
-                  pipe.p.n2, "--max-new-tokens", min(pipe.p.response_tokens, 96),
+                  pipe.p.report_n, "--max-new-tokens", min(pipe.p.response_tokens, 96),
                   "--out", out_dir / f"trajectory_{label}"], "report")

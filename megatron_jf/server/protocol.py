@@ -230,7 +230,8 @@ def _decode_config(jf, default: DecodeConfig) -> DecodeConfig:
                                                   ("spawn_threshold", "threshold"),
                                                   ("verification_size", "verification"),
                                                   ("draft_width", "draft width"),
-                                                  ("prompt_lookup_max", "prompt lookup"))
+                                                  ("prompt_lookup_max", "prompt lookup"),
+                                                  ("ngram_pool_size", "pool size"))
                       if words in msg), "jf")
         raise RequestError(field, msg) from None
 

@@ -159,6 +159,10 @@ class TrainConfig:
     consistency_positions: str = cli_field("all", choices=CONSISTENCY_POSITIONS)
     """Which (block, offset) pairs carry L_pc: ``all``, or ``from_first_diff`` (official code: offsets from the
     first noisy token)."""
+    resample_noise_per_epoch: bool = False
+    """Re-draw each record's noisy states every epoch (progressive / reverse: the ramp shifted per record and epoch;
+    random: a new draw; the first epoch is the schedule as written). Off: every epoch packs the same state per
+    block (one epoch, as the paper trains, is the same either way)."""
     seq_length: int | None = None
     """Model-input row length bound. jf: maximum (two-stream ``P+R``, dense ``P+2R``), padded to it when --pp > 1
     with --no-variable-seq-lengths; default: the model context (dense path: twice it). ar: tokens per sample

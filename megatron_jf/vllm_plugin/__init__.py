@@ -19,8 +19,10 @@ Importing this package imports neither vLLM nor torch.
 def register() -> None:
     """vLLM's general-plugin entry point: check the vLLM version and install the plugin's wraps.
 
-    Raises:
-        megatron_jf.vllm_plugin.vllm_internals.UnsupportedVLLMError: an untested vLLM version.
+    Never raises (vLLM's plugin loader does not catch, so an exception would break every vLLM use in the
+    environment): on an untested vLLM version, or one whose internals changed, it logs one warning and installs
+    nothing but a guard that makes ``method: jacobi | mr`` fail with one line naming the supported versions
+    (:func:`megatron_jf.vllm_plugin.vllm_internals.install`).
     """
     from megatron_jf.vllm_plugin import vllm_internals
 

@@ -29,11 +29,14 @@ proposer's update for the request's last forward (which this project's engine do
 trajectory is closed with the request's final tokens (:meth:`JacobiPolicy.finish`).
 
 Exactness. Fixed points are vLLM's greedy tokens (fp32: equal to this project's collector and ``transformers``
-greedy up to near-ties of the logits; bf16: bf16 greedy, a labelled option). A step that verified fewer draft
-positions than the policy proposed -- vLLM cuts drafts to its token budget and context length, and a preempted
-request is recomputed without a draft -- stops the run with an error before that prompt's record is written: the
-engine is configured so that neither happens (chunked prefill off, a token budget that fits every row's full
-draft), given KV cache for the batch.
+greedy up to near-ties of the logits; bf16: bf16 greedy, a labelled option). Every recorded iteration must be the
+verification of the policy's own draft. Two things break that, and either stops the run with an error naming its
+cause before that prompt's record is written: a step that verified only part of a draft (vLLM cuts drafts to its
+token budget, and a preempted request is recomputed without a draft: more KV cache or a smaller batch), and a step
+whose draft vLLM made itself (it drafts zeros for the whole batch, without calling the proposer, once any row's
+context + draft + ``n`` passes ``max_model_len``: :func:`context_room`). The engine is configured so that neither
+happens -- chunked prefill off, a token budget that fits every row's full draft, ``max_model_len`` at least the
+longest prompt + response + :func:`context_room` -- given KV cache for the batch.
 """
 
 from __future__ import annotations
@@ -50,8 +53,9 @@ from megatron_jf.vllm_plugin.methods import ADDITIONAL_CONFIG_KEY
 from megatron_jf.vllm_plugin.proposer import JacobiForcingProposer
 
 __all__ = ["PROPOSER_PATH", "TrajectoryState", "CollectorPolicy", "TrajectoryProposer", "JacobiResult",
-           "VLLMCollector", "check_hf_model_dir", "model_args", "context_window", "kv_cache_estimate", "has_tokenizer",
-           "weights_fingerprint",
+           "VLLMCollector", "check_hf_model_dir", "model_args", "context_window", "context_room", "engine_length",
+           "kv_cache_estimate",
+           "has_tokenizer", "weights_fingerprint",
            "default_dtype", "vllm_version", "collect"]
 
 #: the proposer class vLLM loads (``speculative_config = {"method": "custom_class", "model": PROPOSER_PATH}``).
@@ -71,11 +75,13 @@ class TrajectoryState(JacobiState):
         iterations: Jacobi iterations (verification forwards) applied so far.
         undo: ``(blocks, drafts of the last block, it had a fixed point)`` before the last update, or None.
         short_steps: updates whose verification covered fewer positions than the draft (vLLM cut the draft).
+        foreign_steps: updates of a draft vLLM made itself (zeros near ``max_model_len``), not the policy's.
     """
 
     iterations: int = 0
     undo: tuple | None = None
     short_steps: int = 0
+    foreign_steps: int = 0
 
     @classmethod
     def of(cls, st: JacobiState) -> "TrajectoryState":
@@ -129,6 +135,13 @@ class TrajectoryProposer(JacobiForcingProposer):
             raise RuntimeError(f"{PROPOSER_PATH} is the trajectory collector's proposer; it runs only in the engine "
                                f"megatron_jf.vllm_plugin.collect.VLLMCollector builds")
         self.policy = CollectorPolicy(self.cfg)
+
+    def resync(self, state, verified: list[int]) -> None:
+        """A draft the policy did not make was verified: counted, and the prompt's collection fails
+        (:meth:`VLLMCollector.decode`); no trajectory step is recorded from it as if it were Jacobi's."""
+        if isinstance(state, TrajectoryState):
+            state.foreign_steps += 1
+        super().resync(state, verified)
 
 
 @dataclass
@@ -188,6 +201,24 @@ def model_args(hf_config: dict) -> SimpleNamespace:
 def context_window(hf_config: dict) -> int:
     """The model's context length (``max_position_embeddings``; 2048 when the config does not say)."""
     return int(hf_config.get("max_position_embeddings") or 2048)
+
+
+def context_room(block_size: int) -> int:
+    """Tokens of ``max_model_len`` that collection needs past prompt + response, for a block size ``n``.
+
+    vLLM runs the proposer after a step only if every row's context before the step plus its scheduled draft plus
+    ``n`` (the configured draft length) fits in ``max_model_len`` (``GPUModelRunner._input_fits_in_drafter``);
+    otherwise it drafts zeros for the whole batch. A running row has at most ``P + max_new - 1`` tokens before a
+    step and a draft of at most ``n``: ``P + max_new - 1 + 2n <= max_model_len``, a room of ``2n - 1`` (reached
+    when a block starts at the response's last token, ``max_new = 1 (mod n)``).
+    """
+    return 2 * block_size - 1
+
+
+def engine_length(longest_prompt: int, max_new_tokens: int, block_size: int) -> int:
+    """vLLM's ``max_model_len`` for collecting prompts of up to ``longest_prompt`` tokens with up to
+    ``max_new_tokens`` each at block size ``n``: ``longest_prompt + max_new_tokens +`` :func:`context_room`."""
+    return longest_prompt + max_new_tokens + context_room(block_size)
 
 
 def kv_cache_estimate(hf_config: dict, dtype: str) -> int:
@@ -263,7 +294,7 @@ class VLLMCollector:
         dtype: vLLM's dtype (``float32``, ``bfloat16``, ...).
         max_num_seqs: requests decoded together (vLLM's batch).
         max_model_len: vLLM's context length (default: the model's, :func:`context_window`); prompts up to
-            ``max_model_len - n - 1`` tokens with their responses fit (:attr:`max_context`).
+            ``max_model_len - context_room(n)`` tokens with their responses fit (:attr:`max_context`).
         kv_cache_bytes: KV-cache size (default on CPU: :func:`kv_cache_estimate` for ``max_num_seqs`` requests
             of ``max_model_len`` tokens, twice; on a GPU: vLLM's, from ``gpu_memory_utilization``).
         enforce_eager: skip vLLM's ``torch.compile`` (faster start, slower steps).
@@ -284,8 +315,7 @@ class VLLMCollector:
         self.max_num_seqs = max_num_seqs
         self.vocab_size = int(hf_config.get("vocab_size", 0))
         self.max_model_len = int(max_model_len or context_window(hf_config))
-        # the last draft may reach n + 1 positions past the response's end; vLLM would cut it there
-        self.max_context = self.max_model_len - block_size - 1
+        self.max_context = self.max_model_len - context_room(block_size)
         self.dtype = dtype
         if kv_cache_bytes is None and default_dtype() == "float32":  # CPU: vLLM would reserve most of the RAM
             kv_cache_bytes = 2 * max_num_seqs * self.max_model_len * kv_cache_estimate(hf_config, dtype)
@@ -365,11 +395,16 @@ class VLLMCollector:
         comp = out.outputs[0]
         tail = list(comp.token_ids)
         tokens = job.head[:-1] + tail
+        if st.foreign_steps:
+            raise ValueError(f"sample {job.sample_id!r}: vLLM skipped the proposer for {st.foreign_steps} step(s) "
+                             f"and verified its own zero drafts (a row's context + draft + n passed max_model_len="
+                             f"{self.max_model_len}; prompt + response must stay within max_context="
+                             f"{self.max_context}); the trajectory would not be block-wise Jacobi's")
         if st.short_steps:
             raise ValueError(f"sample {job.sample_id!r}: vLLM verified only part of {st.short_steps} draft(s) (its "
-                             f"token budget or context length, or a preempted request: give the engine more KV cache "
-                             f"with --kv-cache-gb or decode fewer prompts together with --batch-size); the trajectory "
-                             f"would not be block-wise Jacobi's")
+                             f"token budget, or a preempted request: give the engine more KV cache with --kv-cache-gb "
+                             f"or decode fewer prompts together with --batch-size); the trajectory would not be "
+                             f"block-wise Jacobi's")
         st.undo_last()
         self.policy.finish(st, tokens)
         finish = "eos" if tokens[-1] in self._eos_ids else "length"  # vLLM stops at the first stop id

@@ -1,4 +1,5 @@
-"""The plugin's speculative methods as vLLM users spell them, and their translation to vLLM's ``custom_class``.
+"""The plugin's speculative methods as vLLM users spell them, their translation to vLLM's ``custom_class``, and the
+per-request options.
 
 ``speculative_config`` (``vllm.LLM(speculative_config=...)``, ``vllm serve --speculative-config '{...}'``):
 
@@ -14,18 +15,28 @@
     than the Jacobi draft (:class:`megatron_jf.decoding.MRPolicy` with ``linear=True``); the pool persists per
     request. vLLM verifies the whole draft (the engine's cost-based width choice is this project's engine's).
 
-Optional keys (both methods unless noted), the fields of :class:`megatron_jf.decoding.DecodeConfig`:
-``draft_init`` (``context`` | ``repeat``), and for ``mr`` ``num_blocks`` K (default 2), ``spawn_threshold`` r,
-``ngram_pool_size``, ``verification_size`` (>= 2 lets a pool candidate be chosen), ``prompt_lookup_min`` /
-``prompt_lookup_max`` (vLLM's n-gram names: the context n-grams' match lengths; ``prompt_lookup_max: 0`` turns them
-off). Drafts are seeded by the request's ``SamplingParams.seed`` (0 when unset) and its prompt, as in this project's
-engine.
+``num_speculative_tokens`` is 1 to :data:`MAX_SPEC_LEN` (vLLM's cap). Optional keys (both methods unless noted), the
+fields of :class:`megatron_jf.decoding.DecodeConfig`: ``draft_init`` (``context`` | ``repeat``), and for ``mr``
+``num_blocks`` K (default 2), ``spawn_threshold`` r, ``ngram_pool_size``, ``verification_size`` (>= 2 lets a pool
+candidate be chosen), ``prompt_lookup_min`` / ``prompt_lookup_max`` (vLLM's n-gram names: the context n-grams'
+match lengths; ``prompt_lookup_max: 0`` turns them off). Drafts are seeded by the request's ``SamplingParams.seed`` (0 when unset) and its prompt, as
+in this project's engine. Method names are case-insensitive and keys may use ``-`` for ``_`` (as vLLM's own keys);
+a bad value, an unknown key or a near-miss of a method name is refused with one line naming the key, the allowed
+values and the value given.
 
-Every other key goes to vLLM's ``SpeculativeConfig`` unchanged. Pure Python: no vLLM import here.
+Every other key goes to vLLM's ``SpeculativeConfig`` unchanged.
+
+Per request (:func:`request_block_size`), ``SamplingParams.extra_args`` (the OpenAI server's ``vllm_xargs``):
+``{"jf_draft": false}`` turns drafting off for that request (plain AR steps), ``{"jf_block_size": b}`` drafts
+blocks of ``b`` tokens, 1 to the engine's block size ``n``.
+
+Pure Python: no vLLM import here.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from dataclasses import asdict
 
 from megatron_jf.decoding import DecodeConfig
@@ -35,38 +46,98 @@ ADDITIONAL_CONFIG_KEY = "megatron_jf"
 #: the proposer class vLLM's ``custom_class`` method loads in each worker.
 PROPOSER_PATH = "megatron_jf.vllm_plugin.proposer.JacobiForcingProposer"
 METHODS = ("jacobi", "mr")
+#: vLLM's cap on the draft tokens it verifies per request and step (``MAX_SPEC_LEN`` of
+#: ``vllm/v1/sample/rejection_sampler.py``; the plugin checks it against the installed vLLM when it loads).
+MAX_SPEC_LEN = 128
 _OPTIONS = {"jacobi": ("draft_init",),
             "mr": ("draft_init", "num_blocks", "spawn_threshold", "ngram_pool_size", "verification_size",
                    "prompt_lookup_min", "prompt_lookup_max")}
+#: each option's allowed values as errors state them (the range checks themselves are DecodeConfig's)
+_ALLOWED = {"draft_init": "'context' or 'repeat'", "num_blocks": "an integer >= 1 dividing num_speculative_tokens",
+            "spawn_threshold": "a number in (0, 1]", "ngram_pool_size": "an integer >= 1",
+            "verification_size": "an integer >= 1", "prompt_lookup_min": "an integer >= 1",
+            "prompt_lookup_max": "an integer >= 0 (0: off)"}
+_TYPES = {f.name: f.type for f in dataclasses.fields(DecodeConfig)}  # "int" / "float" / "str"
+#: ``SamplingParams.extra_args`` keys of one request (see :func:`request_block_size`)
+REQUEST_OPTIONS = ("jf_draft", "jf_block_size")
+
+
+def _nearest(word: str, choices) -> str:
+    near = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.75)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_option(method: str, key: str, v) -> None:
+    want = _TYPES[key]
+    ok = isinstance(v, str) if want == "str" else _is_int(v) or (want == "float" and isinstance(v, float))
+    if ok:
+        try:
+            # DecodeConfig's own check of this field's range (the prompt-lookup pair alone: min <= max is
+            # checked with both below)
+            pair = ({"prompt_lookup_max": max(v, 1)} if key == "prompt_lookup_min" else
+                    {"prompt_lookup_min": 1} if key == "prompt_lookup_max" else {})
+            DecodeConfig(**{key: v, **pair})
+        except ValueError:
+            ok = False
+    if not ok:
+        raise ValueError(f"speculative_config method {method!r}: {key} must be {_ALLOWED[key]}, got {v!r}")
 
 
 def decode_config(spec: dict) -> DecodeConfig:
-    """The :class:`DecodeConfig` a ``{"method": "jacobi" | "mr", ...}`` speculative config asks for.
+    """The :class:`DecodeConfig` a ``{"method": "jacobi" | "mr", ...}`` speculative config asks for (method name and
+    keys as :func:`translate` normalises them).
 
     Raises:
-        ValueError: a missing or non-positive ``num_speculative_tokens``, an option the method does not take
-            (named), ``num_speculative_tokens`` not a multiple of ``num_blocks`` (mr), or a value
-            :class:`DecodeConfig` rejects.
+        ValueError: one line naming the key, its allowed values and the value given: ``num_speculative_tokens``
+            missing or outside 1..:data:`MAX_SPEC_LEN`, an option the method does not take, an option of the wrong
+            type or out of range, ``num_speculative_tokens`` not a multiple of ``num_blocks`` (mr).
     """
     method = spec["method"]
     k = spec.get("num_speculative_tokens")
-    if not isinstance(k, int) or k < 1:
-        raise ValueError(f"speculative_config method {method!r} needs num_speculative_tokens >= 1, got {k!r}")
+    if not _is_int(k) or not 1 <= k <= MAX_SPEC_LEN:
+        raise ValueError(f"speculative_config method {method!r}: num_speculative_tokens must be an integer in "
+                         f"1..{MAX_SPEC_LEN} (vLLM's MAX_SPEC_LEN), got {k!r}")
     opts = {key: spec[key] for key in _OPTIONS[method] if key in spec}
     other = sorted(set(spec) & (set(_OPTIONS["mr"]) - set(opts)))
     if other:
-        raise ValueError(f"speculative_config method {method!r} does not take {', '.join(other)}")
+        raise ValueError(f"speculative_config method {method!r} does not take {', '.join(other)} (its options: "
+                         f"{', '.join(_OPTIONS[method])})")
+    for key, v in opts.items():
+        _check_option(method, key, v)
     if method == "jacobi":
         return DecodeConfig("running-window", block_size=k, **opts)
     K = opts.pop("num_blocks", DecodeConfig.num_blocks)
-    if not isinstance(K, int) or K < 1 or k % K:
-        raise ValueError(f"speculative_config method 'mr': num_speculative_tokens ({k}) must be num_blocks ({K!r}) "
-                         f"times the block size n")
-    return DecodeConfig("mr", block_size=k // K, num_blocks=K, **opts)
+    if k % K:
+        raise ValueError(f"speculative_config method 'mr': num_blocks must be {_ALLOWED['num_blocks']} ({k}), "
+                         f"got {K!r}")
+    try:
+        return DecodeConfig("mr", block_size=k // K, num_blocks=K, **opts)
+    except ValueError as e:  # options valid alone but not together (prompt_lookup_min > prompt_lookup_max)
+        raise ValueError(f"speculative_config method 'mr': {e}") from None
 
 
-def translate(spec: dict) -> tuple[dict, dict | None]:
+def plugin_method(method) -> str | None:
+    """``"jacobi"`` / ``"mr"`` when ``method`` names one of the plugin's methods (any capitalisation, surrounding
+    spaces), else None."""
+    if not isinstance(method, str):
+        return None
+    name = method.strip().lower()
+    return name if name in METHODS else None
+
+
+def translate(spec: dict, *, vllm_methods=(), vllm_keys=None) -> tuple[dict, dict | None]:
     """Split a user's speculative config into vLLM's and the plugin's.
+
+    Args:
+        spec: the ``speculative_config`` dict as given.
+        vllm_methods: vLLM's own method names; a method close to ``jacobi`` / ``mr`` that is not one of them is
+            refused as a misspelling.
+        vllm_keys: ``SpeculativeConfig``'s keys; when given, any other key (beyond the plugin's) is refused for
+            ``jacobi`` / ``mr``, with the nearest valid key.
 
     Returns:
         ``(vllm_spec, ours)``: for ``method`` ``jacobi`` / ``mr``, vLLM's ``custom_class`` config with the
@@ -74,11 +145,29 @@ def translate(spec: dict) -> tuple[dict, dict | None]:
         method, ``(spec, None)`` unchanged.
 
     Raises:
-        ValueError: see :func:`decode_config`.
+        ValueError: a near-miss of a method name, a draft ``model`` for a plugin method, an unknown key; see also
+            :func:`decode_config`.
     """
-    method = spec.get("method")
-    if method not in METHODS:
+    raw = spec.get("method")
+    method = plugin_method(raw)
+    if method is None:
+        if isinstance(raw, str) and raw not in vllm_methods:
+            hint = _nearest(raw.strip().lower(), METHODS)
+            if hint:
+                raise ValueError(f"speculative_config: unknown method {raw!r}{hint}; the megatron-jf plugin adds "
+                                 f"{' and '.join(map(repr, METHODS))}")
         return spec, None
+    spec = {key.replace("-", "_"): v for key, v in spec.items()}
+    spec["method"] = method
+    if spec.get("model") is not None:
+        raise ValueError(f"speculative_config method {method!r} drafts without a model: remove 'model' "
+                         f"(got {spec['model']!r})")
+    if vllm_keys is not None:
+        known = set(vllm_keys) | set(_OPTIONS["mr"])
+        for key in spec:
+            if key not in known:
+                raise ValueError(f"speculative_config method {method!r}: unknown key {key!r}"
+                                 f"{_nearest(key, list(_OPTIONS[method]) + sorted(vllm_keys))}")
     cfg = decode_config(spec)
     vllm_spec = {key: v for key, v in spec.items() if key not in _OPTIONS["mr"]}
     vllm_spec.update(method="custom_class", model=PROPOSER_PATH)
@@ -99,3 +188,37 @@ def from_additional_config(additional: dict | None) -> tuple[str, DecodeConfig]:
     entry = dict(entry)
     method = entry.pop("method")
     return method, DecodeConfig(**entry)
+
+
+def request_block_size(extra_args: dict | None, cfg: DecodeConfig) -> int:
+    """The block size one request drafts with, from its ``SamplingParams.extra_args``.
+
+    Args:
+        extra_args: the request's ``extra_args`` (None or a dict; keys other than ``jf_*`` belong to others).
+        cfg: the engine's decode config (its ``block_size`` n is the largest a request may ask for).
+
+    Returns:
+        0 when ``jf_draft`` is false (or 0): no drafting for this request; else ``jf_block_size`` when given
+        (1..n), else n.
+
+    Raises:
+        ValueError: one line naming the key, its allowed values and the value: a ``jf_*`` key that is not one of
+            :data:`REQUEST_OPTIONS`, ``jf_draft`` not a boolean (or 0 / 1), ``jf_block_size`` not an integer in
+            1..n.
+    """
+    if not extra_args:
+        return cfg.block_size
+    for key in extra_args:
+        if isinstance(key, str) and key.startswith("jf_") and key not in REQUEST_OPTIONS:
+            raise ValueError(f"extra_args: unknown megatron-jf request option {key!r}{_nearest(key, REQUEST_OPTIONS)};"
+                             f" the options are {', '.join(REQUEST_OPTIONS)}")
+    draft = extra_args.get("jf_draft", True)
+    if not (isinstance(draft, int) and draft in (0, 1)):
+        raise ValueError(f"extra_args: jf_draft must be true or false (or 1 / 0), got {draft!r}")
+    if not draft:
+        return 0
+    n = extra_args.get("jf_block_size", cfg.block_size)
+    if not _is_int(n) or not 1 <= n <= cfg.block_size:
+        raise ValueError(f"extra_args: jf_block_size must be an integer in 1..{cfg.block_size} (this engine's block "
+                         f"size), got {n!r}")
+    return n

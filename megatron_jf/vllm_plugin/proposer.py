@@ -2,14 +2,23 @@
 
 vLLM loads it as a ``custom_class`` proposer in every worker (:mod:`megatron_jf.vllm_plugin.methods`); the
 runner wrap of :mod:`megatron_jf.vllm_plugin.vllm_internals` calls :meth:`JacobiForcingProposer.propose_batch`
-after each step with the batch's request ids and what verification found. Per request and step the contract
-of :mod:`megatron_jf.decoding` is followed exactly as this project's engine follows it:
+after each step with the batch's request ids and what verification found, and :meth:`JacobiForcingProposer.finish`
+on every step with the requests vLLM finished. Per request and step the contract of :mod:`megatron_jf.decoding` is
+followed exactly as this project's engine follows it:
 
-* a request's first step (its prefill emitted one token): ``state = policy.new_state(prompt, seed)``;
+* a request's first step (its prefill emitted one token): ``state = policy.new_state(prompt, seed)``, with the
+  engine's policy or the request's own block size (:func:`~megatron_jf.vllm_plugin.methods.request_block_size`;
+  a request with drafting off gets no state and drafts nothing);
 * every later step: ``policy.observe(state, context, Outcome(g, emitted, len(emitted) - 1))`` with ``g`` the
   target's argmax at every verified draft position plus the bonus token (a row verified without a draft, or a
   step without any draft in the batch, gives ``g = emitted``);
 * then ``policy.propose(state, context).draft`` (at most ``num_speculative_tokens``) is the request's next draft.
+
+What vLLM verified can differ from what the policy proposed. A *prefix* of the draft (vLLM's token budget,
+``max_model_len``, structured output, a preempted request re-prefilled without a draft) is what the policies
+handle as a short ``g``. *Another* draft (vLLM drafts zeros for the whole batch in a step where a row is too close
+to ``max_model_len`` to draft, and the proposer is not called for that step) is adopted as the state's draft
+before ``observe`` (:meth:`JacobiForcingProposer.resync`), so the update stays aligned with the positions verified.
 
 vLLM verifies whatever is drafted with its rejection sampler, so the output is vLLM's own greedy output (or
 its sampling distribution) whatever the policy proposes: the policy only decides how many tokens each forward
@@ -18,8 +27,29 @@ yields (TPF, vLLM's "mean acceptance length").
 
 from __future__ import annotations
 
-from megatron_jf.decoding import Outcome, policy_for
-from megatron_jf.vllm_plugin.methods import from_additional_config
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+from megatron_jf.decoding import DraftState, Outcome, Policy, policy_for
+from megatron_jf.vllm_plugin.methods import from_additional_config, request_block_size
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class RequestDrafting:
+    """One request's drafting in the proposer.
+
+    Attributes:
+        policy: the request's policy (the engine's, or one with the request's own block size); None: drafting off.
+        state: the policy's state for the request (None when drafting is off).
+        drafted_at: the context length (prompt + output tokens) when ``state.draft`` was proposed.
+    """
+
+    policy: Policy | None
+    state: DraftState | None
+    drafted_at: int = -1
 
 
 class JacobiForcingProposer:
@@ -28,6 +58,10 @@ class JacobiForcingProposer:
     Args:
         vllm_config: vLLM's ``VllmConfig``; reads ``speculative_config.num_speculative_tokens`` and
             ``additional_config["megatron_jf"]`` (written by the plugin from ``method: jacobi | mr``).
+
+    Attributes:
+        states: request id -> :class:`RequestDrafting`, for every request vLLM has started and not yet finished
+            (:meth:`live_states`).
 
     Raises:
         RuntimeError: the plugin's decode config is missing (see :func:`methods.from_additional_config`).
@@ -38,8 +72,9 @@ class JacobiForcingProposer:
 
         self.method, self.cfg = from_additional_config(vllm_config.additional_config)
         self.policy = policy_for(self.cfg, linear=True)
+        self._sized: dict[int, Policy] = {}  # policies of requests with their own block size
         self.max_draft = vllm_config.speculative_config.num_speculative_tokens
-        self.states: dict[str, object] = {}
+        self.states: dict[str, RequestDrafting] = {}
         #: when a dict (tests, debugging; set through ``LLM.collective_rpc``): request id -> ``{"prompt": [...],
         #: "drafts": [draft per step]}``, the drafts exactly as proposed
         self.record: dict | None = None
@@ -54,9 +89,34 @@ class JacobiForcingProposer:
                            "not run in this worker (is VLLM_PLUGINS excluding 'megatron_jf'?)")
 
     def finish(self, req_ids) -> None:
-        """Forget finished requests (their n-gram pools and windows)."""
+        """Forget finished requests (their n-gram pools and windows); unknown ids are ignored."""
         for r in req_ids:
             self.states.pop(r, None)
+
+    def live_states(self) -> int:
+        """Requests whose drafting state this proposer holds: 0 once vLLM has finished every request it started
+        (an idle server)."""
+        return len(self.states)
+
+    def _policy(self, extra_args) -> Policy | None:
+        """A new request's policy from its ``SamplingParams.extra_args`` (None: drafting off)."""
+        try:
+            n = request_block_size(extra_args, self.cfg)
+        except ValueError as e:  # the front end refuses these (vllm_internals); never fail a step over one
+            logger.warning("megatron-jf: %s; this request drafts with the engine's settings", e)
+            n = self.cfg.block_size
+        if n == self.cfg.block_size:
+            return self.policy
+        if n == 0:
+            return None
+        if n not in self._sized:
+            self._sized[n] = policy_for(dataclasses.replace(self.cfg, block_size=n), linear=True)
+        return self._sized[n]
+
+    def resync(self, state: DraftState, verified: list[int]) -> None:
+        """vLLM verified ``verified``, which is not a prefix of ``state.draft`` or follows a step the proposer did
+        not see (vLLM's zero drafts near ``max_model_len``): make it the draft ``observe`` updates from."""
+        state.draft = list(verified)
 
     def propose_batch(self, view) -> list[list[int]]:
         """Observe this step's outcome and return each row's next draft.
@@ -66,27 +126,52 @@ class JacobiForcingProposer:
 
         Returns:
             one draft (``list[int]``, at most ``num_speculative_tokens``) per row; ``[]`` for a row that sampled
-            nothing this step (a prefill chunk).
+            nothing this step (a prefill chunk) or whose request drafts nothing.
         """
-        policy, states = self.policy, self.states
         ver = view.verification
         drafts = []
         for i, rid in enumerate(view.req_ids):
             emitted = view.sampled[i]
-            if not emitted:
+            req = self.states.get(rid)
+            if not emitted or (req is not None and req.policy is None):
                 drafts.append([])
                 continue
             context = view.context(i)
-            state = states.get(rid)
-            if state is None:
+            if req is None:
+                policy = self._policy(view.extra_args[i])
                 seed = view.seeds[i]
-                state = states[rid] = policy.new_state(context[: view.prompt_lens[i]], 0 if seed is None else seed)
+                state = None if policy is None else policy.new_state(context[: view.prompt_lens[i]],
+                                                                     0 if seed is None else seed)
+                req = self.states[rid] = RequestDrafting(policy, state)
+                if policy is None:
+                    drafts.append([])
+                    continue
             else:
-                g = ver.predictions[i] if ver is not None and ver.drafts[i] else emitted[:1]
-                policy.observe(state, context, Outcome(predictions=g, emitted=emitted, from_draft=len(emitted) - 1))
-            draft = policy.propose(state, context).draft[: self.max_draft]
+                verified = ver.drafts[i] if ver is not None else []
+                if isinstance(req.state, DraftState) and (len(context) - len(emitted) != req.drafted_at
+                                                          or verified != req.state.draft[: len(verified)]):
+                    self.resync(req.state, verified)
+                g = ver.predictions[i] if verified else emitted[:1]
+                req.policy.observe(req.state, context, Outcome(predictions=g, emitted=emitted,
+                                                               from_draft=len(emitted) - 1))
+            draft = req.policy.propose(req.state, context).draft[: self.max_draft]
+            req.drafted_at = len(context)
             drafts.append(draft)
             if self.record is not None:
                 self.record.setdefault(rid, {"prompt": context[: view.prompt_lens[i]], "drafts": []})["drafts"].append(
                     list(draft))
         return drafts
+
+
+class WorkerExtension:
+    """vLLM worker extension exposing the proposer's live-state count to ``collective_rpc``.
+
+    ``LLM(..., worker_extension_cls="megatron_jf.vllm_plugin.proposer.WorkerExtension")`` then
+    ``llm.collective_rpc("jf_live_states")``; the OpenAI server: ``--worker-extension-cls`` with that path and
+    ``VLLM_SERVER_DEV_MODE=1``, then ``POST /collective_rpc {"method": "jf_live_states"}``. One int per worker.
+    """
+
+    def jf_live_states(self) -> int:
+        """Requests whose drafting state this worker's proposer holds (0 without the plugin's proposer)."""
+        drafter = getattr(getattr(self, "model_runner", None), "drafter", None)
+        return drafter.live_states() if isinstance(drafter, JacobiForcingProposer) else 0

@@ -1,0 +1,121 @@
+"""The quickstart's math domain (megatron_jf/quickstart/math_domain.py) and the recipe options its preset sets:
+the sets and token streams it writes, the JF stage's flags for each recipe choice (positions from the first
+unconverged token, re-drawn noisy states, L_AR on ground-truth answers), one-round runs, and the quality measure."""
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from megatron_jf.quickstart import pipeline as P
+
+
+def _pipe(tmp_path, **kw):
+    preset = replace(P.PRESETS["math"], n_pretrain_problems=200, n_train_prompts=30, n_eval_prompts=20,
+                     n_eval_template_prompts=10, heldout_templates=5, vocab_size=300, **kw)
+    return P.Pipeline(tmp_path / "w", preset, log=lambda *a: None)
+
+
+def test_math_corpus_and_prompts(tmp_path):
+    from megatron_jf.data.gsm_symbolic import make_splits
+    from megatron_jf.quickstart import math_domain
+    from megatron_jf.tokenizer import load_tokenizer
+
+    pipe = _pipe(tmp_path, drill_fraction=0.25)
+    info = pipe.stage_corpus()
+    counts = pipe.stage_prompts()
+    assert counts == {"train": 30, "heldout": 20, "heldout_template": 10}
+    s = make_splits(200, 30, 20, 10, n_heldout_templates=5, seed=0)
+    assert info["heldout_templates"] == list(s.heldout_templates)
+    # drills are about a quarter of the pretraining tokens, problems the rest
+    assert 0.2 < info["drill_tokens"] / (info["drill_tokens"] + info["problem_tokens"]) < 0.3
+    tok = load_tokenizer(pipe.path("tokenizer"))
+    eos = min(tok.eos_ids)
+    held = np.load(pipe.path("tokens_heldout.npy")).tolist()
+    assert held == [t for p in s.heldout for t in (*tok.encode(p.text()), eos)]  # the held-out ground truth
+    gt = np.load(pipe.path("tokens_gt_train.npy")).tolist()
+    assert gt == [t for p in s.train for t in (*tok.encode(p.text()), eos)]  # training prompts + their answers
+    rows = [json.loads(l) for l in open(pipe.path("prompts_eval.jsonl"))]
+    assert [r["id"] for r in rows] == [p.uid for p in s.heldout]
+    assert rows[0]["prompt_ids"] == tok.encode(s.heldout[0].prompt_text())
+    answers = {r["id"]: r["answer"] for r in math_domain.load_problems(pipe.out, "heldout")}
+    assert answers == {p.uid: p.answer for p in s.heldout}
+    tmpl = [json.loads(l)["id"] for l in open(pipe.path("prompts_eval_template.jsonl"))]
+    assert tmpl == [p.uid for p in s.heldout_template]
+    # the pretraining stream holds every pretraining problem, and no held-out question
+    train = tok.decode(np.load(pipe.path("tokens_train.npy")).tolist())
+    assert all(p.question in train for p in s.pretrain[:20]) and not any(p.question in train for p in s.heldout)
+
+
+def _jf_args(pipe, monkeypatch, stage="jf1"):
+    calls = []
+    monkeypatch.setattr(pipe, "run", lambda args, stage: calls.append([str(a) for a in args]))
+    out = pipe.stage_jf(stage, "base", "traj1", 16, 16, 100)
+    return (calls[-1] if calls else None), out
+
+
+def _flag(args, flag):
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def test_recipe_options_reach_pretrain_jf(tmp_path, monkeypatch):
+    pipe = _pipe(tmp_path)
+    pipe.out.mkdir(parents=True, exist_ok=True)
+    np.save(pipe.path("tokens_gt_train.npy"), np.arange(10, dtype=np.int32))
+    a, _ = _jf_args(pipe, monkeypatch)
+    # the preset's recipe: L_pc from the first unconverged token, states re-drawn each epoch, L_AR on the model's own
+    assert _flag(a, "--consistency-positions") == "from_first_diff" and "--resample-noise-per-epoch" in a
+    assert float(_flag(a, "--ar-weight")) == 1 and "--anchor-data" not in a
+    # L_AR on ground-truth answers: the clean blocks' AR weight goes to rows of the training prompts' answers
+    gt = replace(pipe.p, ar_target="ground_truth", jf_ar_weight=2.0)
+    a, _ = _jf_args(P.Pipeline(pipe.out, gt, log=lambda *x: None), monkeypatch)
+    assert float(_flag(a, "--ar-weight")) == 0 and float(_flag(a, "--anchor-weight")) == 2
+    assert _flag(a, "--anchor-data") == str(pipe.path("tokens_gt_train.npy"))
+    with pytest.raises(ValueError, match="corpus anchor"):
+        _jf_args(P.Pipeline(pipe.out, replace(gt, anchor_weight=0.5), log=lambda *x: None), monkeypatch)
+    # the labelled alternatives: every offset, the same state every epoch
+    old = replace(pipe.p, consistency_positions="all", resample_noise=False)
+    a, _ = _jf_args(P.Pipeline(pipe.out, old, log=lambda *x: None), monkeypatch)
+    assert _flag(a, "--consistency-positions") == "all" and "--resample-noise-per-epoch" not in a
+    # one round: the second round's stages do nothing
+    a, out = _jf_args(pipe, monkeypatch, "jf2")
+    assert a is None and "skipped" in out and "skipped" in pipe.stage_traj("traj2", "jf1", 32)
+    assert pipe.p.report_n == pipe.p.n1 == 16
+
+
+def test_quality_counts_answers_and_steps():
+    from megatron_jf.quickstart.math_domain import quality
+
+    outs = {"m": [[1], [2], [3]]}
+    texts = {1: " 3*2=6 so 6+1=7\n#### 7", 2: " 5-1=3\n#### 3", 3: " no steps\n#### 10"}
+    q = quality(outs, ["7", "4", "10"], lambda t: texts[t[0]])["m"]
+    assert q == {"accuracy": 2 / 3, "correct": 2, "problems": 3, "step_accuracy": 2 / 3, "steps": 3}
+
+
+def test_answer_nll_equals_transformers_on_the_answer_tokens(mp1):
+    """The report's in-domain NLL: answer tokens (and the final EOS) given the question, batched with padding,
+    against transformers' log-probabilities of the same weights, one problem at a time."""
+    import torch
+
+    from megatron_jf.quickstart.report import answer_nll
+    from megatron_jf.testing import tiny_hf_model
+    from tests.test_collect import _mcore
+
+    hf = tiny_hf_model(seed=11).eval()
+    model = _mcore(hf)
+    g = torch.Generator().manual_seed(0)
+    rows = [{"prompt_ids": torch.randint(3, 256, (p,), generator=g).tolist(),
+             "response_ids": torch.randint(3, 256, (r,), generator=g).tolist()} for p, r in ((5, 7), (9, 3), (2, 11))]
+    nll, argmax = answer_nll(model, rows, eos=2, batch=2)
+    total, count, want_argmax = 0.0, 0, []
+    for r in rows:
+        ids = torch.tensor([r["prompt_ids"] + r["response_ids"] + [2]])
+        with torch.no_grad():
+            lp = torch.log_softmax(hf(ids).logits[0].double(), -1)
+        P = len(r["prompt_ids"])
+        tgt = ids[0, P:]
+        total -= float(lp[torch.arange(P - 1, ids.shape[1] - 1), tgt].sum())
+        count += tgt.numel()
+        want_argmax += lp[P - 1: ids.shape[1] - 1].argmax(-1).tolist()
+    assert abs(nll - total / count) < 1e-4 and count == 7 + 3 + 11 + 3
+    assert argmax.tolist() == want_argmax
