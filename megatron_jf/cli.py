@@ -258,10 +258,10 @@ def add_decode_args(p, *, title: str = "decoding (Jacobi Forcing decoders, paper
     Returns:
         The argument group.
     """
-    from megatron_jf.decoding import DECODERS, DRAFT_INITS
+    from megatron_jf.decoding import DECODERS, DRAFT_INITS, DRAFT_WIDTHS
 
     cls = decode_config_class()
-    choices = {"decoder": tuple(decoders or DECODERS), "draft_init": DRAFT_INITS}
+    choices = {"decoder": tuple(decoders or DECODERS), "draft_init": DRAFT_INITS, "draft_width": DRAFT_WIDTHS}
     defaults = {"decoder": DEFAULT_DECODER if DEFAULT_DECODER in choices["decoder"] else choices["decoder"][0]}
     g = p.add_argument_group(title)
     add_dataclass_arguments(g, cls, only=fields, choices=choices, defaults=defaults, grids=grids or {})

@@ -1,10 +1,13 @@
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# measured forward costs (draft_width="auto") go to a directory of this test session, not the user's cache
+os.environ.setdefault("MEGATRON_JF_COST_CACHE", tempfile.mkdtemp(prefix="jf-cost-"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -6,6 +6,7 @@ import torch
 
 
 def test_mr_that_never_spawns_warns_and_runs_as_k1(mp1):
+    from megatron_jf.decoding import PAPER
     from megatron_jf.inference.engine import DecodeConfig, Engine
     from megatron_jf.models.convert import hf_to_mcore
     from megatron_jf.models.gpt import build_model
@@ -13,7 +14,7 @@ def test_mr_that_never_spawns_warns_and_runs_as_k1(mp1):
     from megatron_jf.testing import peaked_hf_model
 
     with pytest.warns(UserWarning, match="never spawns a second block"):
-        never = DecodeConfig("mr", block_size=8, num_blocks=2, spawn_threshold=1.0, verification_size=2)
+        never = DecodeConfig("mr", block_size=8, num_blocks=2, spawn_threshold=1.0, verification_size=2, **PAPER)
     with pytest.warns(UserWarning, match="never spawns"):
         DecodeConfig("mr", block_size=1, num_blocks=2)  # ceil(r*1) = 1 = n for every r
     with warnings.catch_warnings():
@@ -29,9 +30,9 @@ def test_mr_that_never_spawns_warns_and_runs_as_k1(mp1):
     eng = Engine(m)
     p = [torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(0)).tolist()]
     a = eng.generate(p, never, max_new_tokens=40)[0]
-    b = eng.generate(p, DecodeConfig("mr", block_size=8, num_blocks=1, spawn_threshold=1.0, verification_size=2),
-                     max_new_tokens=40)[0]
-    c = eng.generate(p, DecodeConfig("mr", block_size=8, num_blocks=2, spawn_threshold=0.5, verification_size=2),
-                     max_new_tokens=40)[0]
+    b = eng.generate(p, DecodeConfig("mr", block_size=8, num_blocks=1, spawn_threshold=1.0, verification_size=2,
+                                     **PAPER), max_new_tokens=40)[0]
+    c = eng.generate(p, DecodeConfig("mr", block_size=8, num_blocks=2, spawn_threshold=0.5, verification_size=2,
+                                     **PAPER), max_new_tokens=40)[0]
     assert a.tokens == b.tokens == c.tokens and a.accepted == b.accepted
     assert c.accepted != a.accepted

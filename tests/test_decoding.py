@@ -1,11 +1,21 @@
-"""Every decoder is lossless: greedy output == greedy AR == transformers' greedy generate (issue 3)."""
+"""Every decoder is lossless: greedy output == greedy AR == transformers' greedy generate (issue 3), with the
+default draft width ``auto`` (issue 33) as with a fixed one."""
 import pytest
 import torch
 
 from tests.conftest import run_torchrun
 
 
-def _engine(hf):
+def _knee():
+    """A forward cost with a knee (3 tokens cost 10 % more than 1, 9 tokens twice, 33 eight times): under
+    ``draft_width="auto"`` the widths then vary with each request's acceptance, 0 to the ceiling, deterministically
+    (a measured table would vary with the machine's load)."""
+    from megatron_jf.decoding.width import ForwardCost
+
+    return ForwardCost({1: {1: 1.0, 3: 1.1, 9: 2.0, 33: 8.0}, 4: {1: 2.0, 3: 2.4, 9: 5.0, 33: 24.0}})
+
+
+def _engine(hf, forward_cost=None):
     from megatron_jf.inference.engine import Engine
     from megatron_jf.models.convert import hf_to_mcore
     from megatron_jf.models.gpt import build_model
@@ -14,7 +24,7 @@ def _engine(hf):
     args = ModelArgs.from_hf_dict(hf.config.to_dict())
     m = build_model(args).eval()
     m.load_state_dict(hf_to_mcore(hf.state_dict(), args), strict=False)
-    return Engine(m, check_invariants=True)
+    return Engine(m, check_invariants=True, forward_cost=forward_cost or _knee())
 
 
 @pytest.fixture(scope="module")
@@ -66,13 +76,16 @@ def test_reference_sees_prompt_token_zero(models):
     assert eng.generate([p], DecodeConfig("jacobi", block_size=4), max_new_tokens=12)[0].tokens == ref
 
 
-CONFIGS = (
+CONFIGS = (  # draft_width "auto" (the default) unless given
     [("jacobi", dict(block_size=n)) for n in (1, 2, 3, 16, 64)]
-    + [("jacobi", dict(block_size=16, draft_init="repeat"))]
+    + [("jacobi", dict(block_size=16, draft_init="repeat")), ("jacobi", dict(block_size=16, draft_width="fixed"))]
     + [("running-window", dict(block_size=n)) for n in (1, 5, 16)]
     + [("mr", dict(block_size=n, num_blocks=K, spawn_threshold=r, verification_size=v))
        for n, K, r, v in [(1, 1, 1.0, 1), (3, 2, 0.5, 2), (16, 1, 0.85, 4), (16, 2, 0.85, 4), (8, 3, 0.3, 3),
                           (64, 2, 0.5, 4), (4, 3, 1.0, 1)]]
+    + [("mr", dict(block_size=16, num_blocks=2, verification_size=4, draft_width="fixed")),
+       ("mr", dict(block_size=16, num_blocks=2, verification_size=4, draft_width="fixed", prompt_lookup_max=0)),
+       ("mr", dict(block_size=8, num_blocks=2, verification_size=4, prompt_lookup_min=2, prompt_lookup_max=3))]
 )
 
 
@@ -94,15 +107,79 @@ def test_decoders_are_lossless(models, decoder, kw):
 def test_peaked_model_accepts_many_tokens_per_forward(models):
     from megatron_jf.inference.engine import DecodeConfig
 
+    from megatron_jf.decoding import PAPER
+
     _, eng = models["peaked-1"]
-    out = eng.generate(_prompts(3), DecodeConfig("jacobi", block_size=16, draft_init="repeat"), max_new_tokens=64)
+    out = eng.generate(_prompts(3), DecodeConfig("jacobi", block_size=16, draft_init="repeat", **PAPER),
+                       max_new_tokens=64)
     # the repeat draft is the fixed point: every block takes one forward to verify
     assert all(o.tpf >= 10 for o in out), [o.tpf for o in out]
     _, eng4 = models["peaked-4"]
-    mr = eng4.generate(_prompts(3), DecodeConfig("mr", block_size=8, num_blocks=2, verification_size=4), max_new_tokens=64)
-    jac = eng4.generate(_prompts(3), DecodeConfig("jacobi", block_size=8), max_new_tokens=64)
+    mr = eng4.generate(_prompts(3), DecodeConfig("mr", block_size=8, num_blocks=2, verification_size=4, **PAPER),
+                       max_new_tokens=64)
+    jac = eng4.generate(_prompts(3), DecodeConfig("jacobi", block_size=8, **PAPER), max_new_tokens=64)
     # rejection recycling finds the repeating cycle in rejected drafts; plain Jacobi cannot
     assert sum(o.tpf for o in mr) > 1.2 * sum(o.tpf for o in jac), ([o.tpf for o in mr], [o.tpf for o in jac])
+
+
+def test_width_follows_the_cost_table_in_the_engine(models):
+    """Issue 33: where wide forwards are free every step forwards the whole draft (the ceiling); where a forward of
+    s tokens costs s times one token every step is plain AR (no draft token forwarded); output equal to AR both ways,
+    and with the measured cost of this machine."""
+    from megatron_jf.decoding.width import ForwardCost
+    from megatron_jf.inference.engine import DecodeConfig, Engine
+
+    free = ForwardCost({1: {1: 1.0, 64: 1.0}})
+    steep = ForwardCost({1: {1: 1.0, 64: 64.0}})
+    prompts = _prompts(3)
+    # drafts the model accepts (the repeat draft on the period-1 model; MR's pools on the period-4 one): free, the
+    # fixed width's steps exactly (MR with v=1 has no candidates, so nothing leads its draft); steep, AR steps
+    for name, cfg in (("peaked-1", DecodeConfig("jacobi", block_size=8, draft_init="repeat")),
+                      ("peaked-1", DecodeConfig("mr", block_size=8, num_blocks=2, verification_size=1,
+                                                draft_init="repeat")),
+                      ("peaked-4", DecodeConfig("mr", block_size=8, num_blocks=2))):
+        hf, eng = models[name]
+        ref = eng.generate(prompts, DecodeConfig("ar"), max_new_tokens=40)
+        wide = Engine(eng.model, forward_cost=free).generate(prompts, cfg, max_new_tokens=40)
+        fixed = eng.generate(prompts, DecodeConfig(**{**cfg.__dict__, "draft_width": "fixed"}), max_new_tokens=40)
+        ar = Engine(eng.model, forward_cost=steep).generate(prompts, cfg, max_new_tokens=40)
+        for w, f, a, r in zip(wide, fixed, ar, ref):
+            assert w.tokens == f.tokens == a.tokens == r.tokens
+            if cfg.verification_size == 1 or cfg.decoder == "jacobi":  # the ceiling: the fixed width's steps
+                assert w.draft_lens == f.draft_lens and w.forwards == f.forwards
+            assert set(a.draft_lens) == {0} and a.forwards == len(a.tokens)  # AR steps
+        assert sum(w.tpf for w in wide) > 3 * len(wide), [w.tpf for w in wide]
+    hf, eng = models["peaked-4"]
+    ref = eng.generate(prompts, DecodeConfig("ar"), max_new_tokens=40)
+    measured = Engine(eng.model)  # this machine's cost (measured once, cached under MEGATRON_JF_COST_CACHE)
+    for o, r in zip(measured.generate(prompts, DecodeConfig("mr"), max_new_tokens=40), ref):
+        assert o.tokens == r.tokens
+
+
+def test_forward_cost_measured_once_and_cached(models, monkeypatch, tmp_path):
+    """The forward's cost is measured at first need for the batch's row counts, written atomically under the cache
+    directory keyed by the model's shape, dtype, device and threads, and read back by a later engine."""
+    import json
+
+    from megatron_jf.inference import cost_model
+    from megatron_jf.inference.engine import Engine
+
+    monkeypatch.setenv("MEGATRON_JF_COST_CACHE", str(tmp_path))
+    _, eng = models["qwen2-random"]
+    cost = Engine(eng.model).forward_cost(rows=5, max_tokens=20)
+    assert cost.rows == [1, 4, 5]
+    for b in cost.rows:
+        curve = cost.curve(b)
+        assert curve[0][0] == 1 and len(curve) >= 4 and all(t > 0 for _, t in curve)
+        assert [t for _, t in curve] == sorted(t for _, t in curve)
+    files = list((tmp_path / "forward_cost").glob("*.json"))
+    assert len(files) == 1
+    key = json.loads(files[0].read_text())["about"]["key"]
+    assert key["threads"] == torch.get_num_threads() and key["dtype"] == "float32" and key["model"]["num_layers"] == 2
+    monkeypatch.setattr(cost_model, "measure_rows", lambda *a, **k: pytest.fail("measured again"))
+    again = Engine(eng.model).forward_cost(rows=5, max_tokens=20)
+    assert again.points() == cost.points()
+    assert Engine(eng.model).forward_cost(rows=3).points() == cost.points()  # fewer rows: nothing to measure
 
 
 @pytest.mark.parametrize("decoder,kw", [("jacobi", dict(block_size=4)), ("running-window", dict(block_size=4)),

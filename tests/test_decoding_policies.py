@@ -92,7 +92,9 @@ def test_running_window_refills_to_n():
 
 
 def _mr(**kw):
-    cfg = dict(block_size=4, num_blocks=2, spawn_threshold=0.5, verification_size=3, draft_init="repeat")
+    """MR with a fixed width (the draft is never led by a candidate in the tree layout)."""
+    cfg = dict(block_size=4, num_blocks=2, spawn_threshold=0.5, verification_size=3, draft_init="repeat",
+               draft_width="fixed")
     return policy_for(DecodeConfig("mr", **{**cfg, **kw}))
 
 
@@ -162,8 +164,8 @@ def test_mr_candidate_selection():
 
 
 def test_mr_linear_substitutes_the_best_candidate():
-    pol = policy_for(DecodeConfig("mr", block_size=4, num_blocks=2, spawn_threshold=0.5, verification_size=3),
-                     linear=True)
+    pol = policy_for(DecodeConfig("mr", block_size=4, num_blocks=2, spawn_threshold=0.5, verification_size=3,
+                                  draft_width="fixed"), linear=True)
     st = MRState(prompt_len=3, draft=[50, 51, 52, 90, 91, 92, 93], rng=draft_rng([1], 0), blocks=[4, 8],
                  pool=_pool_with_candidates(), candidates=[])
     p = pol.propose(st, [1, 2, 8, 41])
@@ -256,3 +258,81 @@ def test_recycling_and_blocks_pay_off_on_a_cycle():
     assert fw_mr < 0.75 * fw_jac and fw_lin < 0.9 * fw_jac, (fw_mr, fw_lin, fw_jac)  # measured 135, 162, 194
     assert [t for b in st.traj for t in b["fixed_point"]] == out
     assert all(len(d) == len(b["fixed_point"]) for b in st.traj for d in b["drafts"])
+
+
+# ------------------------------------------------------------------------------------------ context n-grams
+def test_context_ngrams_found_and_ranked():
+    """Prompt lookup: what followed earlier occurrences of the newest token (3), longer matches of the tokens before
+    it first, the earliest occurrence first among equal matches; duplicates and the draft left out; the index
+    grows with the text."""
+    from megatron_jf.decoding import ContextNGrams
+
+    #          0  1  2  3  4  5  6  7  8  9 10 11 12 13 14 15
+    context = [5, 1, 2, 3, 9, 9, 8, 2, 3, 7, 6, 3, 4, 1, 2, 3]
+    idx = ContextNGrams(min_match=1, max_match=4)
+    # occurrences of 3 at 3 (preceded by 5 1 2: matches 1 2 3 -> 3 tokens), 8 (8 2 3 -> 2), 11 (6 3 -> 1)
+    assert idx.candidates(context, 3, 4) == [([9, 9, 8, 2], 3), ([7, 6, 3, 4], 2), ([4, 1, 2, 3], 1)]
+    assert idx.candidates(context, 2, 2) == [([9, 9], 3), ([7, 6], 2)]
+    assert ContextNGrams(min_match=2, max_match=2).candidates(context, 5, 3) == [([9, 9, 8], 2), ([7, 6, 3], 2)]
+    assert idx.candidates(context, 3, 4, exclude=(9, 9, 8, 2)) == [([7, 6, 3, 4], 2), ([4, 1, 2, 3], 1)]
+    grown = context + [4, 1, 9, 3]  # the index extends; now the last tokens are 9 3
+    fresh = ContextNGrams(min_match=1, max_match=4).candidates(grown, 4, 3)
+    assert idx.candidates(grown, 4, 3) == fresh == [([9, 9, 8], 1), ([7, 6, 3], 1), ([4, 1, 2], 1), ([4, 1, 9], 1)]
+    assert idx.candidates([7], 3, 4) == []  # no earlier occurrence
+    with pytest.raises(ValueError, match="min_match <= max_match"):
+        ContextNGrams(min_match=3, max_match=2)
+
+
+def test_mr_ranks_context_ngrams_with_recycled_ones_and_lets_the_best_lead():
+    pol = policy_for(DecodeConfig("mr", block_size=4, num_blocks=2, spawn_threshold=0.5, verification_size=4,
+                                  draft_init="repeat", prompt_lookup_max=4))
+    prompt = [11, 12, 41, 60, 61, 62, 63, 64, 70, 12, 41, 80, 81]
+    st = pol.new_state(prompt, 0)
+    ctx = prompt + [8, 12, 41]  # the output so far ends "12 41": 41 occurs at 2 (after 12: match 2) and 10 (match 2)
+    st.blocks, st.draft = [4, 8], [50, 51, 90, 91, 92, 93]  # 3 output tokens: 1 unknown RA position
+    st.pool.add_rejected(12, [41, 99, 98])  # recycled: 41 99 98 recorded after 12 (match 2), and 99 98 after 41
+    ranked = pol.ranked(st, ctx)
+    # match 2 each; context first (earliest occurrence first), then the recycled one
+    assert ranked == [([60, 61, 62, 63, 64, 70, 12, 41], "context2"), ([80, 81, 8, 12, 41], "context2"),
+                      ([99, 98], "pool")]
+    assert pol.candidates(st, ctx) == [[60], [80], [99]]  # tree branches: cut to the RA block's 1 unknown token
+    # auto: the context n-gram (prior 0.45 a token) is expected to accept more than the Jacobi draft (0.15): it
+    # leads the draft, up to K*n = 8 tokens, and the displaced Jacobi guess becomes a candidate
+    p = pol.propose(st, ctx)
+    assert p.draft == [60, 61, 62, 63, 64, 70, 12, 41] and st.segments == [("context2", 8)]
+    assert p.candidates == [[80], [99], [50]] and st.cand_segments[2] == [("draft", 1)]
+    assert pol.draft_probs(st) == [0.45] * 8
+    # the model rejects context n-grams of this kind a few times: the Jacobi draft leads again
+    for _ in range(6):
+        st.stats.record("context2", 3, 0)
+    st.draft = [50, 51, 90, 91, 92, 93]
+    assert pol.propose(st, ctx).draft == [50, 51, 90, 91, 92, 93] and st.segments == [("draft", 6)]
+    # fixed width: the draft as it is, context n-grams and recycled ones as branches
+    fixed = policy_for(DecodeConfig("mr", block_size=4, num_blocks=2, spawn_threshold=0.5, verification_size=4,
+                                    draft_width="fixed"))
+    st2 = fixed.new_state(prompt, 0)
+    st2.blocks, st2.draft, st2.pool = [4, 8], [50, 51, 90, 91, 92, 93], st.pool
+    assert fixed.propose(st2, ctx).draft == [50, 51, 90, 91, 92, 93]
+    assert st2.candidates == [[60], [80], [99]]
+    # prompt lookup off: only the recycled n-gram
+    off = policy_for(DecodeConfig("mr", block_size=4, verification_size=4, prompt_lookup_max=0))
+    st3 = off.new_state(prompt, 0)
+    st3.blocks, st3.draft, st3.pool = [4, 8], [50, 51, 90, 91, 92, 93], st.pool
+    assert off.ranked(st3, ctx) == [([99, 98], "pool")]
+
+
+def test_context_ngrams_pay_off_on_text_that_repeats_itself():
+    """On a 'model' that copies earlier text, MR with context n-grams needs far fewer forwards than without, with the
+    same output (the model-free loop above)."""
+    def copying(seq):  # continue the earliest earlier occurrence of the last two tokens, else a mixing rule
+        for i in range(len(seq) - 2):
+            if seq[i] == seq[-2] and seq[i + 1] == seq[-1]:
+                return seq[i + 2]
+        return (seq[-1] * 5 + 3) % 31
+
+    prompt = [(7 * i) % 29 for i in range(40)] + [0, 7]
+    out, _, _ = _decode(DecodeConfig("ar"), prompt, copying, 60)
+    on, fw_on, _ = _decode(DecodeConfig("mr", block_size=8), prompt, copying, 60)
+    off, fw_off, _ = _decode(DecodeConfig("mr", block_size=8, prompt_lookup_max=0), prompt, copying, 60)
+    assert on == off == out
+    assert fw_on <= 0.4 * fw_off, (fw_on, fw_off)

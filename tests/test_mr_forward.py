@@ -195,8 +195,11 @@ def test_mr_engine_pruned_equals_tree_and_ar(model):
 
     mr_verify.pruned_second_pass = spy
     try:
-        cfgs = (DecodeConfig("mr", block_size=4, num_blocks=2, spawn_threshold=0.5, verification_size=4),
-                DecodeConfig("mr", block_size=8, num_blocks=1, verification_size=3))
+        # a fixed width: the same drafts both ways (with "auto", tree mode's branches make the forward wider, so the
+        # widths chosen differ between the modes)
+        cfgs = (DecodeConfig("mr", block_size=4, num_blocks=2, spawn_threshold=0.5, verification_size=4,
+                             draft_width="fixed"),
+                DecodeConfig("mr", block_size=8, num_blocks=1, verification_size=3, draft_width="fixed"))
         ar = [engines["tree"].generate([p], DecodeConfig("ar"), max_new_tokens=40)[0].tokens for p in prompts]
         for cfg in cfgs:
             for batch in ([prompts[0]], prompts):

@@ -32,6 +32,11 @@ def test_translate_jacobi_and_mr_to_custom_class():
     assert ours["block_size"] == 8 and ours["num_blocks"] == 3 and ours["method"] == "mr"
     ngram = {"method": "ngram", "num_speculative_tokens": 4}
     assert translate(ngram) == (ngram, None)
+    # MR's context n-grams (on by default) take vLLM's n-gram names
+    spec, ours = translate({"method": "mr", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 0})
+    assert spec == {"method": "custom_class", "model": PROPOSER_PATH, "num_speculative_tokens": 8}
+    assert (ours["prompt_lookup_min"], ours["prompt_lookup_max"]) == (2, 0)
+    assert decode_config({"method": "mr", "num_speculative_tokens": 8}).prompt_lookup_max == 4
 
 
 _KEYS = ("method", "model", "num_speculative_tokens", "disable_padded_drafter_batch")  # some of vLLM's keys
@@ -65,6 +70,11 @@ _KEYS = ("method", "model", "num_speculative_tokens", "disable_padded_drafter_ba
                                                                             "did you mean 'spawn_threshold'"]),
     ({"method": "MR", "num-speculative-tokens": 8, "num-block": 2}, ["unknown key 'num_block'",
                                                                     "did you mean 'num_blocks'"]),
+    ({"method": "jacobi", "num_speculative_tokens": 4, "prompt_lookup_max": 3}, ["does not take prompt_lookup_max"]),
+    ({"method": "mr", "num_speculative_tokens": 8, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
+     ["prompt_lookup_min <= prompt_lookup_max", "got 3 and 2"]),
+    ({"method": "mr", "num_speculative_tokens": 8, "prompt_lookup_min": 0}, ["prompt_lookup_min", ">= 1", "got 0"]),
+    ({"method": "mr", "num_speculative_tokens": 8, "prompt_lookup_max": -1}, ["prompt_lookup_max", ">= 0", "got -1"]),
 ])
 def test_bad_speculative_configs_are_refused_in_one_line(spec, words):
     """Each bad config is refused when the engine is configured (before vLLM starts anything), in one line naming

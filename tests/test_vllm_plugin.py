@@ -43,7 +43,10 @@ N_JACOBI = 4
 MR_K, MR_N = 2, 4
 SPECS = {"ar": None,
          "jacobi": {"method": "jacobi", "num_speculative_tokens": N_JACOBI},
-         "mr": {"method": "mr", "num_speculative_tokens": MR_K * MR_N, "num_blocks": MR_K, "spawn_threshold": 0.5}}
+         "mr": {"method": "mr", "num_speculative_tokens": MR_K * MR_N, "num_blocks": MR_K, "spawn_threshold": 0.5},
+         # MR without context n-grams (recycled n-grams only)
+         "mr-recycled": {"method": "mr", "num_speculative_tokens": MR_K * MR_N, "num_blocks": MR_K,
+                         "spawn_threshold": 0.5, "prompt_lookup_max": 0}}
 # chunked prefill (prompts longer than the token budget are prefilled in chunks) and prefix caching (blocks of 32)
 ENGINE = dict(dtype="float32", max_model_len=512, block_size=32, max_num_batched_tokens=192, max_num_seqs=16,
               enable_chunked_prefill=True, enable_prefix_caching=True, enforce_eager=True,
@@ -121,7 +124,7 @@ def _rule(method: str):
 
     if method == "jacobi":
         return RunningWindowRule(N_JACOBI)
-    return PolicyRule(policy_for(decode_config(SPECS["mr"]), linear=True))
+    return PolicyRule(policy_for(decode_config(SPECS[method]), linear=True))
 
 
 def _check_against_reference(models, engines, model, method, prompts, params, *, batch=True):
@@ -180,6 +183,24 @@ def test_batch1_greedy_equals_vllm_ar_and_follows_the_rule(models, engines, mode
     if (model, method) == ("cycle", "mr"):  # the n-gram pool learns the cycle: drafts get accepted (measured: 18
         accepted = [a for r in refs for a in r[2]]  # tokens over 3 prompts, up to 4 in one step; Jacobi: none)
         assert sum(accepted) >= 10 and max(accepted) >= 2, accepted
+
+
+def test_mr_context_ngrams_lead_drafts_and_stay_lossless(models, engines):
+    """Issue 33: MR's context n-grams (prompt lookup) in vLLM. Prompts that already hold the cycle model's
+    continuation: the n-gram after the newest tokens' earlier occurrence leads each draft from the first step, so
+    the requests take far fewer steps than MR with recycled n-grams only; greedy tokens equal vLLM's AR and every
+    draft equals the reference loop's (the same policy over transformers greedy)."""
+    cycle = [252, 253, 254, 255] * 2
+    prompts = [p + cycle + [252] for p in _prompts(5, (3, 17, 40))]
+    params = dict(temperature=0.0, max_tokens=32, ignore_eos=True)
+    steps = {}
+    for method in ("mr", "mr-recycled"):
+        outs, refs = _check_against_reference(models, engines, "cycle", method, prompts, params, batch=False)
+        steps[method] = sum(len(r[1]) for r in refs)
+        first = [r[2][0] for r in refs]  # accepted in the first drafted step
+        if method == "mr":
+            assert first == [MR_K * MR_N] * len(prompts), first  # the whole first draft: the context's cycle
+    assert steps["mr"] * 2 <= steps["mr-recycled"], steps
 
 
 @pytest.mark.parametrize("method", ["jacobi", "mr"])

@@ -25,6 +25,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -121,6 +122,10 @@ def main(argv=None) -> int:
             return 2
         ctx = args.max_model_len
     engine = Engine(model, max_context=ctx)
+    t0 = time.perf_counter()  # draft_width="auto" rows need the forward's cost: measured (or read) now, not mid-request
+    engine.forward_cost(args.max_batch, args.max_parallel_tokens)
+    logging.getLogger("megatron_jf.server").info("forward cost ready in %.1f s (%s)", time.perf_counter() - t0,
+                                                 "measured or read from MEGATRON_JF_COST_CACHE")
     group = dist.new_group(backend="gloo", timeout=timedelta(hours=24)) if args.tp > 1 else None
     if not parallel.is_rank0():
         follower_loop(engine, tokenizer.decode, group=group, max_batch=args.max_batch,

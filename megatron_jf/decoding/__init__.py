@@ -28,6 +28,8 @@ Per request the engine holds one state; per step it asks for a proposal, verifie
   continuation of ``context[-1]``; empty for the other decoders).
 * :class:`Outcome` -- ``predictions`` g (greedy token at every main-chain position, bonus included), ``emitted``
   (tokens committed this step), ``from_draft`` (of them, from the winning branch), ``winner`` (None: the draft).
+* The engine may verify only the first ``w`` tokens of the draft (``len(g) = w + 1``: the draft width that pays,
+  :mod:`~megatron_jf.decoding.width`, or vLLM's budget); positions past them keep their guesses.
 * The next draft is the Jacobi update: position ``j`` of the next draft takes ``g`` at the same output position
   (for Jacobi ``g[k+1:]`` after ``k`` accepted draft tokens), refilled by the decoder's rule
   (:meth:`Policy.init`: ``context`` draws uniformly from prompt + output with the request's own
@@ -39,13 +41,18 @@ block's part (:class:`~megatron_jf.decoding.mr.MRPolicy`); it then reports ``win
 
 Modules
 -------
-``config``          :class:`DecodeConfig`, ``DECODERS``, ``DRAFT_INITS``, :func:`forward_width`.
-``base``            :class:`Proposal`, :class:`Outcome`, :func:`accepted_prefix`, draft initialisation, :class:`Policy`.
+``config``          :class:`DecodeConfig`, ``DECODERS``, ``DRAFT_INITS``, ``DRAFT_WIDTHS``, ``PAPER``,
+                    :func:`forward_width`.
+``base``            :class:`Proposal`, :class:`Outcome`, :func:`accepted_prefix`, :func:`jacobi_update`, draft
+                    initialisation, :class:`Policy` (which records each request's acceptance statistics).
+``width``           the draft width that pays: :class:`~.width.ForwardCost`, :class:`~.width.AcceptanceStats`,
+                    :func:`~.width.choose_widths`.
 ``ar``              no draft (TPF exactly 1).
 ``jacobi``          block-wise Jacobi (fixed point per block of n) and trajectory recording (the training data).
 ``running_window``  a draft of n guesses, refilled as tokens are committed.
 ``mr``              multi-block decoding + rejection recycling: blocks in flight, candidates, spawning (Algorithm 1).
-``ngram_pool``      :class:`NGramPool`, rejection recycling's pool of rejected n-grams.
+``ngram_pool``      MR's candidate pool: :class:`NGramPool` (rejected n-grams) and :class:`ContextNGrams` (prompt
+                    lookup: what followed earlier occurrences of the newest token).
 """
 
 from __future__ import annotations
@@ -53,18 +60,19 @@ from __future__ import annotations
 from functools import lru_cache
 
 from megatron_jf.decoding.ar import ARPolicy
-from megatron_jf.decoding.base import DraftState, Outcome, Policy, Proposal, accepted_prefix, draft_rng
-from megatron_jf.decoding.config import DECODERS, DRAFT_INITS, DecodeConfig, forward_width
+from megatron_jf.decoding.base import DraftState, Outcome, Policy, Proposal, accepted_prefix, draft_rng, jacobi_update
+from megatron_jf.decoding.config import DECODERS, DRAFT_INITS, DRAFT_WIDTHS, PAPER, DecodeConfig, forward_width
 from megatron_jf.decoding.jacobi import JacobiPolicy, JacobiState
 from megatron_jf.decoding.mr import MRPolicy, MRState
-from megatron_jf.decoding.ngram_pool import NGramPool
+from megatron_jf.decoding.ngram_pool import ContextNGrams, NGramPool
 from megatron_jf.decoding.running_window import RunningWindowPolicy
 
 POLICIES = {"ar": ARPolicy, "jacobi": JacobiPolicy, "running-window": RunningWindowPolicy, "mr": MRPolicy}
 
-__all__ = ["ARPolicy", "DECODERS", "DRAFT_INITS", "DecodeConfig", "DraftState", "JacobiPolicy", "JacobiState",
-           "MRPolicy", "MRState", "NGramPool", "Outcome", "POLICIES", "Policy", "Proposal", "RunningWindowPolicy",
-           "accepted_prefix", "draft_rng", "forward_width", "policy_for"]
+__all__ = ["ARPolicy", "ContextNGrams", "DECODERS", "DRAFT_INITS", "DRAFT_WIDTHS", "DecodeConfig", "DraftState",
+           "JacobiPolicy", "JacobiState", "MRPolicy", "MRState", "NGramPool", "Outcome", "PAPER", "POLICIES", "Policy",
+           "Proposal", "RunningWindowPolicy", "accepted_prefix", "draft_rng", "forward_width", "jacobi_update",
+           "policy_for"]
 
 
 def policy_for(cfg: DecodeConfig, linear: bool = False) -> Policy:

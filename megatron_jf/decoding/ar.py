@@ -11,5 +11,5 @@ class ARPolicy(Policy):
     def _new_state(self, prompt: list[int], seed: int) -> DraftState:
         return DraftState(len(prompt), [], draft_rng(prompt, seed))
 
-    def observe(self, state: DraftState, context: list[int], outcome: Outcome) -> None:
+    def update(self, state: DraftState, context: list[int], outcome: Outcome) -> None:
         """Nothing to update: the draft stays empty."""

@@ -1,6 +1,6 @@
-"""What every drafting policy shares: the step's records, greedy acceptance, draft initialisation, the
-policy interface (paper Sec. 2.1 Jacobi decoding; Algorithm 1 step 1, initialisation, and step 3,
-verification).
+"""What every drafting policy shares: the step's records, greedy acceptance, draft initialisation, the Jacobi
+update of a draft verified in part, each request's acceptance statistics, the policy interface (paper Sec. 2.1
+Jacobi decoding; Algorithm 1 step 1, initialisation, step 3, verification, and step 4, the update).
 
 Pure Python, standard library only. Token ids are ``int``; sequences are ``list[int]``.
 """
@@ -11,6 +11,8 @@ import random
 import struct
 import zlib
 from dataclasses import dataclass, field
+
+from megatron_jf.decoding.width import AcceptanceStats
 
 
 @dataclass
@@ -60,6 +62,14 @@ def accepted_prefix(draft: list[int], g: list[int]) -> int:
     return k
 
 
+def jacobi_update(draft: list[int], g: list[int]) -> list[int]:
+    """The draft's positions after a forward that verified its first ``len(g) - 1`` tokens (all of them, or fewer
+    when the width was cut -- :mod:`megatron_jf.decoding.width` -- or vLLM verified fewer): position ``j`` takes the
+    model's prediction ``g[j]`` where the forward made one (``j < len(g)``: the Jacobi update, Algorithm 1 step 4)
+    and keeps its guess ``draft[j]`` past it. Length ``max(len(draft), len(g))``."""
+    return g + draft[len(g):] if len(g) < len(draft) else list(g)
+
+
 def draft_rng(prompt: list[int], seed: int) -> random.Random:
     """The request's draft-initialisation generator: seeded by ``seed`` and the prompt only, so a request's
     drafts do not depend on the batch (or the engine) it runs in."""
@@ -74,11 +84,17 @@ class DraftState:
         prompt_len: P, tokens of the prompt (output index ``i`` is context index ``P + i``).
         draft: the draft for the next step (what :meth:`Policy.propose` returns).
         rng: the draft-initialisation generator (:func:`draft_rng`).
+        stats: the request's acceptance by draft position and source
+            (:class:`~megatron_jf.decoding.width.AcceptanceStats`).
+        segments: where the last proposal's draft came from, ``[(source, length), ...]`` back to back (the
+            decoder's own draft is ``draft``).
     """
 
     prompt_len: int
     draft: list[int]
     rng: random.Random
+    stats: AcceptanceStats = field(default_factory=AcceptanceStats)
+    segments: list = field(default_factory=list)
 
 
 class Policy:
@@ -134,11 +150,33 @@ class Policy:
 
     def propose(self, state: DraftState, context: list[int]) -> Proposal:
         """This step's proposal: the current draft (no candidates)."""
+        state.segments = [("draft", len(state.draft))]
         return Proposal(state.draft)
 
+    def draft_probs(self, state: DraftState) -> list[float]:
+        """Estimated conditional acceptance of each position of the last proposal's draft (from the request's
+        statistics by source and position; :meth:`AcceptanceStats.chain_probs`): what the width choice weighs."""
+        return state.stats.chain_probs(state.segments)
+
     def observe(self, state: DraftState, context: list[int], outcome: Outcome) -> None:
-        """Update ``state`` after a step that did not end the request. ``context``: prompt + output, the step's
-        emitted tokens included."""
+        """Update ``state`` after a step that did not end the request: record how much of the verified draft was
+        accepted (:meth:`record`), then the decoder's own update (:meth:`update`). ``context``: prompt + output,
+        the step's emitted tokens included. The forward may have verified fewer draft tokens than proposed
+        (``len(outcome.predictions) - 1`` of them: a width cut or vLLM's budget); the rest keep their guesses."""
+        self.record(state, outcome)
+        self.update(state, context, outcome)
+
+    def record(self, state: DraftState, outcome: Outcome) -> None:
+        """Add this step to the request's acceptance statistics: the draft's verified part by source (its greedy
+        match, or the speculative rule's count when the draft won)."""
+        w = len(outcome.predictions) - 1
+        if w <= 0 or not state.segments:
+            return
+        k = outcome.from_draft if outcome.winner is None else accepted_prefix(state.draft[:w], outcome.predictions)
+        state.stats.record_chain(state.segments, w, min(k, w))
+
+    def update(self, state: DraftState, context: list[int], outcome: Outcome) -> None:
+        """The decoder's next draft (each policy's rule)."""
         raise NotImplementedError
 
     def finish(self, state: DraftState, output: list[int]) -> None:

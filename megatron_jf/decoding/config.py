@@ -12,6 +12,10 @@ from dataclasses import dataclass
 
 DECODERS = ("ar", "jacobi", "running-window", "mr")
 DRAFT_INITS = ("context", "repeat")
+DRAFT_WIDTHS = ("auto", "fixed")
+#: The paper's decoders as Algorithm 1 runs them: the whole draft every step and no context n-grams
+#: (``DecodeConfig("mr", **PAPER)``; the quickstart report measures the method's TPF this way).
+PAPER = {"draft_width": "fixed", "prompt_lookup_max": 0}
 
 
 @dataclass(frozen=True)
@@ -27,10 +31,19 @@ class DecodeConfig:
         ngram_pool_size: n-grams kept per first token in the pool (mr).
         draft_init: ``context`` (tokens drawn uniformly from prompt + output, as the paper's
             trajectories are initialised) or ``repeat`` (the last token repeated).
+        draft_width: ``auto``: each step forwards the draft width that maximises expected tokens per second, from
+            the forward's cost measured on this machine and the request's acceptance so far -- from 0 (plain AR)
+            up to the decoder's full draft, so the block size is the ceiling -- and mr puts the candidate expected
+            to accept most at the head of its draft; ``fixed``: the full draft every step (AR ignores it; rows
+            that record a trajectory run fixed; :mod:`megatron_jf.decoding.width`).
+        prompt_lookup_min: prompt lookup (mr): fewest trailing tokens of the context that an earlier occurrence
+            must match for the tokens after it to become a candidate (vLLM's name).
+        prompt_lookup_max: prompt lookup (mr): most trailing tokens matched when ranking context n-grams; 0 turns
+            context n-grams off (vLLM's name).
 
     Raises:
-        ValueError: unknown decoder or draft init, n < 1, K < 1, r outside (0, 1], verification size < 1, n-gram
-            pool size < 1.
+        ValueError: unknown decoder, draft init or draft width, n < 1, K < 1, r outside (0, 1], verification size
+            < 1, n-gram pool size < 1, prompt lookup bounds outside 1 <= min <= max (or max = 0).
     """
 
     decoder: str = "ar"
@@ -40,6 +53,9 @@ class DecodeConfig:
     verification_size: int = 4
     ngram_pool_size: int = 8
     draft_init: str = "context"
+    draft_width: str = "auto"
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
 
     def __post_init__(self):
         if self.decoder not in DECODERS:
@@ -56,6 +72,12 @@ class DecodeConfig:
             raise ValueError(f"n-gram pool size must be >= 1, got {self.ngram_pool_size}")
         if self.draft_init not in DRAFT_INITS:
             raise ValueError(f"unknown draft init {self.draft_init!r}; choose one of {', '.join(DRAFT_INITS)}")
+        if self.draft_width not in DRAFT_WIDTHS:
+            raise ValueError(f"unknown draft width {self.draft_width!r}; choose one of {', '.join(DRAFT_WIDTHS)}")
+        if self.prompt_lookup_max < 0 or (self.prompt_lookup_max and not 1 <= self.prompt_lookup_min
+                                          <= self.prompt_lookup_max):
+            raise ValueError(f"prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max (or "
+                             f"prompt_lookup_max = 0: off), got {self.prompt_lookup_min} and {self.prompt_lookup_max}")
         if self.decoder == "mr" and self.num_blocks > 1 and math.ceil(self.spawn_threshold * self.block_size) >= self.block_size:
             # the RA block has at most n-1 accepted tokens while in flight (it retires at n), so a pseudo-active
             # block needs ceil(r*n) <= n-1 to ever spawn
@@ -66,8 +88,9 @@ class DecodeConfig:
 
 
 def forward_width(cfg: DecodeConfig) -> int:
-    """Tokens one row forwards per decode step under ``cfg`` (``last`` + drafts + recycled candidates):
-    AR 1, Jacobi / running window ``n + 1``, MR ``1 + K*n + (v-1)*n``."""
+    """Most tokens one row forwards per decode step under ``cfg`` (``last`` + drafts + recycled candidates):
+    AR 1, Jacobi / running window ``n + 1``, MR ``1 + K*n + (v-1)*n`` -- every step with ``draft_width="fixed"``,
+    the ceiling with ``auto``."""
     n = cfg.block_size
     return {"ar": 1, "jacobi": n + 1, "running-window": n + 1,
             "mr": 1 + cfg.num_blocks * n + (cfg.verification_size - 1) * n}[cfg.decoder]

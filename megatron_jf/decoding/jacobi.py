@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_jf.decoding.base import DraftState, Outcome, Policy, draft_rng
+from megatron_jf.decoding.base import DraftState, Outcome, Policy, draft_rng, jacobi_update
 
 
 @dataclass(eq=False)
@@ -45,15 +45,16 @@ class JacobiPolicy(Policy):
             st.traj = [{"context_len": len(prompt), "drafts": [list(st.draft)]}]
         return st
 
-    def observe(self, state: JacobiState, context: list[int], outcome: Outcome) -> None:
-        """Jacobi update of the current block (Algorithm 1 step 4), or, at its fixed point, a new block."""
+    def update(self, state: JacobiState, context: list[int], outcome: Outcome) -> None:
+        """Jacobi update of the current block (Algorithm 1 step 4; positions a cut width did not verify keep their
+        guesses), or, at its fixed point, a new block."""
         n, P = self.n, state.prompt_len
         e = len(context) - P  # output tokens so far
         rest = state.block_end - e  # unknown positions left in this block
         traj = state.traj
         if rest > 0:
             k = outcome.from_draft
-            state.draft = outcome.predictions[k + 1: k + 1 + rest]
+            state.draft = jacobi_update(state.draft, outcome.predictions)[k + 1: k + 1 + rest]
             if traj is not None:
                 traj[-1]["drafts"].append(context[P + state.block_end - n:] + state.draft)
             return

@@ -1,11 +1,21 @@
-"""The n-gram pool of rejection recycling (paper Sec. 3.2, "MR" decoding).
+"""MR's candidate pool (paper Sec. 3.2, "MR" decoding): recycled n-grams and context n-grams.
 
-Draft tokens that verification rejects are often right but misplaced: the same n-gram turns up a
-few positions later. The pool keeps n-grams cut from rejected drafts, keyed by their first token and
-remembering the token before them. After each verification the newest known token ``x`` (and the
-committed token before it) selects candidates: n-grams starting with ``x``, those whose recorded
-preceding token also matches the committed text first (a two-token suffix match), newest first.
-The pool persists across blocks for the whole request.
+**Rejection recycling** (:class:`NGramPool`). Draft tokens that verification rejects are often right but
+misplaced: the same n-gram turns up a few positions later. The pool keeps n-grams cut from rejected drafts, keyed
+by their first token and remembering the token before them. After each verification the newest known token ``x``
+(and the committed token before it) selects candidates: n-grams starting with ``x``, those whose recorded
+preceding token also matches the committed text first (a two-token suffix match), newest first. The pool persists
+across blocks for the whole request.
+
+**Context n-grams** (:class:`ContextNGrams`; prompt lookup, as vLLM's n-gram proposer and lookahead decoding's
+pool do). Chat and code answers repeat their prompt (a signature, a docstring, an identifier) and themselves: the
+committed text (prompt + output) is indexed by token, and the tokens that followed earlier occurrences of the
+newest token ``x`` become candidates, ranked by how many tokens before each occurrence match the tokens before
+``x`` (up to ``max_match``), the earliest occurrence first among equal matches (as vLLM's proposer takes the
+first match; on HumanEval chat prompts with SmolLM2-135M it gives more tokens per forward than the newest).
+
+Both give ``(continuation, match)`` pairs, ``match`` the number of committed tokens the candidate's context agrees
+with (the newest token included): MR ranks them together (:meth:`megatron_jf.decoding.mr.MRPolicy.candidates`).
 """
 
 from __future__ import annotations
@@ -60,11 +70,11 @@ class NGramPool:
             if len(entries) > self.max_per_key:
                 entries.popitem(last=False)
 
-    def candidates(self, prev_token: int, token: int, k: int, exclude: tuple | None = None) -> list[list[int]]:
-        """Up to ``k`` continuations starting with ``token`` (without ``token`` itself), best first.
-
-        Entries whose recorded preceding token equals ``prev_token`` come first; then newest first.
-        ``exclude`` drops a continuation equal to the primary draft.
+    def candidates(self, prev_token: int, token: int, k: int,
+                   exclude: tuple | None = None) -> list[tuple[list[int], int]]:
+        """Up to ``k`` ``(continuation, match)`` pairs for n-grams starting with ``token`` (the continuation without
+        ``token`` itself), best first: ``match`` 2 when the entry's recorded preceding token equals ``prev_token``
+        (those first), else 1; then newest first. ``exclude`` drops a continuation equal to the primary draft.
         """
         entries = self._pool.get(token)
         if not entries or k <= 0:
@@ -72,12 +82,82 @@ class NGramPool:
         grams = list(entries.items())[::-1]
         grams.sort(key=lambda kv: kv[1] != prev_token)  # stable: suffix matches first, newest first
         out, seen = [], set()
-        for gram, _ in grams:
+        for gram, before in grams:
             cont = gram[1:]
             if not cont or cont in seen or (exclude is not None and cont == exclude[:len(cont)]):
                 continue
             seen.add(cont)
-            out.append(list(cont))
+            out.append((list(cont), 2 if before == prev_token else 1))
+            if len(out) == k:
+                break
+        return out
+
+
+class ContextNGrams:
+    """Prompt lookup over one request's committed tokens: an index from token to its positions, extended as the
+    text grows (each committed token is indexed once).
+
+    Args:
+        min_match: fewest trailing tokens an earlier occurrence must match (>= 1).
+        max_match: most trailing tokens compared when ranking (>= ``min_match``).
+        max_scan: most occurrences of the newest token examined per lookup (the earliest ones; bounds the time).
+
+    Raises:
+        ValueError: ``1 <= min_match <= max_match`` or ``max_scan >= 1`` violated.
+    """
+
+    def __init__(self, min_match: int = 1, max_match: int = 4, max_scan: int = 512):
+        if not 1 <= min_match <= max_match or max_scan < 1:
+            raise ValueError(f"ContextNGrams needs 1 <= min_match <= max_match and max_scan >= 1, got {min_match}, "
+                             f"{max_match}, {max_scan}")
+        self.min_match, self.max_match, self.max_scan = min_match, max_match, max_scan
+        self._pos: dict[int, list[int]] = {}
+        self._indexed = 0  # context positions indexed so far (all but the newest token)
+
+    def _index(self, context: list[int]) -> None:
+        end = len(context) - 1  # the newest token has no continuation yet
+        if end < self._indexed:  # the text was cut (never by the engines here): start over
+            self._pos.clear()
+            self._indexed = 0
+        pos = self._pos
+        for i in range(self._indexed, end):
+            t = context[i]
+            lst = pos.get(t)
+            if lst is None:
+                pos[t] = [i]
+            else:
+                lst.append(i)
+        self._indexed = max(end, 0)
+
+    def candidates(self, context: list[int], k: int, max_len: int,
+                   exclude: tuple | None = None) -> list[tuple[list[int], int]]:
+        """Up to ``k`` ``(continuation, match)`` pairs for ``context[-1]``: the ``max_len`` tokens after an earlier
+        occurrence of it (not including it), ``match`` the number of tokens ending at that occurrence that equal the
+        tokens ending at ``context[-1]`` (at most ``max_match``, at least ``min_match``). Best first: longer matches,
+        then earlier occurrences. Duplicate continuations and one equal to ``exclude`` (the draft) are dropped.
+        """
+        if k <= 0 or max_len <= 0 or not context:
+            return []
+        self._index(context)
+        occ = self._pos.get(context[-1])
+        if not occ:
+            return []
+        n, top = len(context), self.max_match
+        scored = []
+        for i in occ[: self.max_scan]:
+            m = 1
+            while m < top and i - m >= 0 and context[i - m] == context[n - 1 - m]:
+                m += 1
+            if m >= self.min_match:
+                scored.append((m, i))
+        scored.sort(key=lambda x: -x[0])  # stable: earliest first among equal matches
+        out, seen = [], set()
+        for m, i in scored:
+            cont = tuple(context[i + 1: i + 1 + max_len])
+            if cont in seen or (exclude is not None and cont == exclude[:len(cont)]):
+                continue
+            seen.add(cont)
+            out.append((list(cont), m))
             if len(out) == k:
                 break
         return out

@@ -3,7 +3,7 @@ speedups reported against the faster AR (paper Sec. 4.1; issue 14: this project'
 on the same weights, whichever is faster).
 
 Used by the evaluator (:mod:`megatron_jf.eval.harness`, per batch: :func:`run_batch`), the quickstart report
-(:mod:`megatron_jf.quickstart.report`) and ``bench/decode.py`` (both :func:`measure`).
+(:mod:`megatron_jf.quickstart.report`) and ``bench/quickstart_variant.py`` (both :func:`measure`).
 
 For each batch of prompts, every method runs back to back on the same token ids (the AR reference first), each
 ``generate`` call timed on the wall clock; ``transformers`` greedy (when given) then produces exactly the
@@ -20,7 +20,6 @@ Definitions (sums over prompts, ratios of sums):
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -53,14 +52,13 @@ def _reference_name(methods: dict) -> str | None:
 
 
 def run_batch(engine, prompts: list[list[int]], methods: dict, *, max_new_tokens: int, eos_ids=frozenset(),
-              stop_strings: tuple[str, ...] = (), detokenize=None, hf=None, reference: list[list[int]] | None = None,
-              around=None) -> BatchRun:
+              stop_strings: tuple[str, ...] = (), detokenize=None, hf=None,
+              reference: list[list[int]] | None = None) -> BatchRun:
     """Run every method of ``methods`` (name -> :class:`~megatron_jf.decoding.DecodeConfig`) on ``prompts``.
 
     Args:
         reference: the prompts' reference tokens; default: those of the first AR config in ``methods``.
         hf: a ``transformers`` twin of the model (:func:`~megatron_jf.eval.hf_baseline.hf_twin`) or None.
-        around: optional ``name -> context manager`` entered around each method's ``generate`` (bench hooks).
 
     Raises:
         ValueError: no reference (neither ``reference`` nor an AR config).
@@ -70,12 +68,10 @@ def run_batch(engine, prompts: list[list[int]], methods: dict, *, max_new_tokens
         raise ValueError("run_batch needs an AR config in methods or reference tokens")
     results, wall = {}, {}
     for name, cfg in methods.items():
-        with (around(name) if around is not None else contextlib.nullcontext()):
-            t0 = time.perf_counter()
-            results[name] = engine.generate(prompts, cfg, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                                            stop_strings=tuple(stop_strings),
-                                            detokenize=detokenize if stop_strings else None)
-            wall[name] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        results[name] = engine.generate(prompts, cfg, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                                        stop_strings=tuple(stop_strings), detokenize=detokenize if stop_strings else None)
+        wall[name] = time.perf_counter() - t0
     ref = reference if reference is not None else [r.tokens for r in results[ref_name]]
     lossless = {name: [r.tokens == t for r, t in zip(res, ref)] for name, res in results.items()}
     hf_runs = None
@@ -146,13 +142,11 @@ class Speed:
 
 def measure(engine, prompts: list[list[int]], methods: dict, *, max_new_tokens: int, batch_size: int = 1,
             eos_ids=frozenset(), stop_strings: tuple[str, ...] = (), detokenize=None, hf=None, strict: bool = True,
-            reference: list[list[int]] | None = None, around=None, label: str = "", interleave: bool = True) -> Speed:
-    """Run ``methods`` on ``prompts`` in batches of ``batch_size`` (:func:`run_batch`) and total them.
+            reference: list[list[int]] | None = None, label: str = "") -> Speed:
+    """Run ``methods`` on ``prompts`` in batches of ``batch_size`` (:func:`run_batch`), every method back to back on
+    each batch, and total them.
 
     Without an AR config in ``methods`` and without ``reference`` tokens, an AR run named ``AR`` is added first.
-    ``interleave``: every method back to back on each batch (default); False: each method over all batches in
-    turn, the reference first, ``transformers`` greedy last (the order ``bench/decode.py`` has always used, which
-    keeps a method's caches warm across its prompts).
 
     Raises:
         LosslessError: (``strict``) some method's output differs from the reference on some prompt.
@@ -167,19 +161,11 @@ def measure(engine, prompts: list[list[int]], methods: dict, *, max_new_tokens: 
     stats = {n: MethodStats(n, c) for n, c in methods.items()}
     if hf is not None:
         stats[HF] = MethodStats(HF)
-    starts = range(0, len(prompts), batch_size)
-    if interleave:
-        plan = [(b0, methods, hf) for b0 in starts]
-    else:
-        order = sorted(methods, key=lambda n: n != ref_name)  # the reference first: the others check against it
-        plan = [(b0, {n: methods[n]}, None) for n in order for b0 in starts]
-        plan += [(b0, {}, hf) for b0 in starts] if hf is not None else []
-    for b0, subset, hf_b in plan:
+    for b0 in range(0, len(prompts), batch_size):
         batch = prompts[b0: b0 + batch_size]
-        ref = reference[b0: b0 + batch_size] if reference is not None else (
-            None if ref_name in subset else ref_out[b0: b0 + batch_size])
-        run = run_batch(engine, batch, subset, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                        stop_strings=stop_strings, detokenize=detokenize, hf=hf_b, reference=ref, around=around)
+        ref = reference[b0: b0 + batch_size] if reference is not None else None
+        run = run_batch(engine, batch, methods, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                        stop_strings=stop_strings, detokenize=detokenize, hf=hf, reference=ref)
         for name, res in run.results.items():
             s = stats[name]
             s.results += res

@@ -51,7 +51,8 @@ from __future__ import annotations
 import torch
 
 from megatron_jf.decoding import DECODERS, DRAFT_INITS, DecodeConfig, forward_width
-from megatron_jf.inference import options
+from megatron_jf.decoding.width import ForwardCost
+from megatron_jf.inference import cost_model, options
 from megatron_jf.inference.results import GenerationResult
 from megatron_jf.inference.sampling import SamplingParams
 from megatron_jf.inference.session import BatchSession
@@ -74,6 +75,9 @@ class Engine:
         forward, gemv, cuda_graphs: the forward implementation and its switches
             (:class:`~megatron_jf.inference.runner.ModelRunner`; environment overrides in
             :mod:`megatron_jf.inference.options`).
+        forward_cost: the cost table ``draft_width="auto"`` rows choose their widths by
+            (:class:`~megatron_jf.decoding.width.ForwardCost`; used as given, never measured); None: measured on
+            this machine when first needed, or read from the cache (:meth:`forward_cost`).
 
     Raises:
         ValueError: an unknown ``mr_verify``, ``forward`` or ``gemv``.
@@ -81,7 +85,7 @@ class Engine:
 
     def __init__(self, model, max_context: int | None = None, check_invariants: bool = False,
                  mr_verify: str = "auto", *, forward: str = "auto", gemv: str | None = None,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, forward_cost: ForwardCost | None = None):
         self.model = model
         self.check_invariants = check_invariants  # tests: assert the KV-cache length after every step
         m = unwrap(model)
@@ -92,6 +96,15 @@ class Engine:
         options.check_forward(forward)
         options.gemv_mode(gemv)
         self.runner_options = dict(forward=forward, mr_verify=mr_verify, gemv=gemv, cuda_graphs=cuda_graphs)
+        self._cost, self._cost_given = forward_cost, forward_cost is not None
+
+    def forward_cost(self, rows: int = 1, max_tokens: int = 81) -> ForwardCost:
+        """Seconds of one decode forward by rows x tokens per row on this machine (issue 33): the table given to the
+        constructor, else read from the cache or measured now for up to ``rows`` rows and ``max_tokens`` tokens per
+        row (a few seconds on a CPU; :mod:`megatron_jf.inference.cost_model`), then kept."""
+        if not self._cost_given:
+            self._cost = cost_model.ensure_cost(self.model, self._cost, rows, max_tokens, self.runner_options)
+        return self._cost
 
     # ------------------------------------------------------------------ public API
     def open_batch(self, capacity: int, *, max_width: int = 256, max_len: int | None = None,

@@ -13,12 +13,18 @@ variable                        field            meaning
                                                  CUDA, ``0`` off, ``force`` on any device (eager on CPU; tests)
 ``MEGATRON_JF_CUDA_GRAPHS``     ``cuda_graphs``  ``0``: run the static path eagerly instead of replaying CUDA
                                                  graphs (default: graphs on CUDA)
-``MEGATRON_JF_LEAN_GEMV``       ``gemv``         ``all`` / ``out`` / ``none``: weights kept transposed for
-                                                 one-row products on CPU (default ``all`` up to 4 GiB of
-                                                 weights, else ``out``)
+``MEGATRON_JF_LEAN_GEMV``       ``gemv``         ``all`` / ``out`` / ``none``: weights with CPU copies, transposed
+                                                 for one-row products and oneDNN-packed for multi-row ones
+                                                 (default ``all`` up to 4 GiB of weights, else ``out``)
+``MEGATRON_JF_LEAN_PACKED``     (the forward)    ``0``: multi-row products through ``F.linear`` instead of the
+                                                 oneDNN-packed copies (default on where torch has oneDNN)
 ``MEGATRON_JF_MR_VERIFY``       ``mr_verify``    ``tree`` / ``pruned``: how MR verifies recycled candidates
                                                  (:mod:`~megatron_jf.inference.mr_verify`; default pruned on
                                                  CPU, tree on CUDA)
+``MEGATRON_JF_COST_CACHE``      (the engine)     where measured forward costs are kept
+                                                 (:mod:`~megatron_jf.inference.cost_model`; default
+                                                 ``$XDG_CACHE_HOME/megatron_jf``, else ``~/.cache/megatron_jf``);
+                                                 ``0``: measure at every start, keep nothing
 ==============================  ===============  ==========================================================
 
 An explicit constructor argument wins over the variable; the variable wins over the device default. Values are
@@ -34,7 +40,9 @@ LEAN_FORWARD = "MEGATRON_JF_LEAN_FORWARD"
 STATIC_DECODE = "MEGATRON_JF_STATIC_DECODE"
 CUDA_GRAPHS = "MEGATRON_JF_CUDA_GRAPHS"
 LEAN_GEMV = "MEGATRON_JF_LEAN_GEMV"
+LEAN_PACKED = "MEGATRON_JF_LEAN_PACKED"
 MR_VERIFY = "MEGATRON_JF_MR_VERIFY"
+COST_CACHE = "MEGATRON_JF_COST_CACHE"
 
 FORWARDS = ("auto", "lean", "static", "megatron")
 GEMV_MODES = ("all", "out", "none")
@@ -49,6 +57,11 @@ def _env(name: str, default: str = "") -> str:
 def lean_forward_on() -> bool:
     """False when ``MEGATRON_JF_LEAN_FORWARD`` is ``0``/``false``/``off``/``no`` (default: on)."""
     return _env(LEAN_FORWARD, "1") not in _OFF
+
+
+def lean_packed_on() -> bool:
+    """False when ``MEGATRON_JF_LEAN_PACKED`` is ``0``/``false``/``off``/``no`` (default: on)."""
+    return _env(LEAN_PACKED, "1") not in _OFF
 
 
 def static_decode_on(device) -> bool:
@@ -91,6 +104,18 @@ def mr_verify_mode(mode: str | None, device) -> str:
     if m == "auto":
         return "tree" if device.type == "cuda" else "pruned"
     return m
+
+
+def cost_cache_dir() -> str | None:
+    """The directory measured forward costs are cached in (``MEGATRON_JF_COST_CACHE``, else
+    ``$XDG_CACHE_HOME/megatron_jf`` or ``~/.cache/megatron_jf``); None when the variable is ``0`` (no cache)."""
+    v = os.environ.get(COST_CACHE, "").strip()
+    if v.lower() in _OFF:
+        return None
+    if v:
+        return v
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "megatron_jf")
 
 
 def inference_transformer_impl() -> str:

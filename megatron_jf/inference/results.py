@@ -21,7 +21,8 @@ class GenerationResult:
         accepted: tokens emitted by each decode forward.
         prefill_s, decode_s: wall seconds.
         trajectory: per block (when recorded): ``{"context_len", "drafts": [[n tokens]...], "fixed_point"}``.
-        draft_lens: per decode forward, draft tokens verified (the winning branch; 0 for AR).
+        draft_lens: per decode forward, draft tokens verified (the winning branch; 0 for AR, and for the steps
+            ``draft_width="auto"`` ran as AR: the widths it chose).
         draft_accepted: per decode forward, how many of them were accepted and emitted (the leading ones;
             the correction/bonus token is not a draft token). Speculative-decoding counters in vLLM's
             sense: drafts = forwards with ``draft_lens > 0``.

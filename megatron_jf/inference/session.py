@@ -8,6 +8,12 @@ when sampling: :func:`~megatron_jf.inference.sampling.verify`), so every forward
 is exactly AR's; EOS, ``max_new_tokens`` and stop strings end the row; the cache keeps ``[last] + accepted``; the
 policy observes the model's predictions and builds the next draft. Rows live in a
 :class:`~megatron_jf.inference.slots.SlotTable`.
+
+Draft width (issue 33): rows with ``draft_width="auto"`` forward, each step, only the part of their draft that pays
+-- :func:`~megatron_jf.decoding.width.choose_widths` weighs the engine's measured forward cost
+(:meth:`Engine.forward_cost <megatron_jf.inference.engine.Engine.forward_cost>`) against each row's acceptance
+statistics -- down to no draft at all (an AR step); ``fixed`` rows, and rows recording a trajectory, forward their
+whole draft. What is verified and accepted does not change, only how much is drafted.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_jf.decoding import DecodeConfig, Outcome, accepted_prefix, forward_width, policy_for
+from megatron_jf.decoding.width import RowDraft, choose_widths
 from megatron_jf.inference import mr_verify
 from megatron_jf.inference.results import GenerationResult
 from megatron_jf.inference.runner import ModelRunner
@@ -71,7 +78,9 @@ class BatchSession:
     the step runs as two forwards -- wide rows, then narrow ones -- rather than padding every row to the widest
     (``split_min_saving``). A row's output does not depend on the other rows (shapes are padded per forward), so
     greedy output equals offline :meth:`Engine.generate <megatron_jf.inference.engine.Engine.generate>`, and
-    sampled rows draw from their own seeded generator.
+    sampled rows draw from their own seeded generator. With ``draft_width="auto"`` the widths follow the batch's
+    forward cost, so a row's forwards -- and, when sampling, the tokens it draws (from the same distribution) --
+    can differ from its offline run's; greedy tokens cannot.
 
     Create with :meth:`Engine.open_batch <megatron_jf.inference.engine.Engine.open_batch>`. Not thread-safe: one
     thread calls add/remove/step.
@@ -161,6 +170,8 @@ class BatchSession:
         for r in rows:
             p = r.policy.propose(r.state, r.ctx)
             r.draft, r.cands = p.draft, p.candidates
+        self._cut_widths(rows)
+        for r in rows:
             r.n_main = 1 + len(r.draft)
             seqs.append(_tokens(r))
         a = self._arrange(seqs)
@@ -196,6 +207,25 @@ class BatchSession:
         for r in new:
             r.prefill_s = dt
         self.slots.place(new)
+
+    def _cut_widths(self, rows: list[Row]) -> None:
+        """Cut the drafts of ``draft_width="auto"`` rows (and their candidates) to this step's widths
+        (:func:`~megatron_jf.decoding.width.choose_widths` over the engine's forward cost and each row's acceptance
+        statistics); other rows forward their whole draft, and count as such in the forward's length."""
+        auto = [r.cfg.draft_width == "auto" and getattr(r.state, "traj", None) is None for r in rows]
+        if not any(a and r.draft for a, r in zip(auto, rows)):
+            return
+        cost = self.engine.forward_cost(len(rows), self.max_width)
+        tree = self.runner.mr_verify == "tree"
+        specs = []
+        for r, a in zip(rows, auto):
+            branches = [len(c) for c in r.cands] if tree else ()
+            probs = r.policy.draft_probs(r.state) if a else [0.0] * len(r.draft)
+            specs.append(RowDraft(probs[: len(r.draft)], branches, fixed=not a))
+        for r, a, w in zip(rows, auto, choose_widths(cost, specs)):
+            if a and w < len(r.draft):
+                r.draft = r.draft[:w]
+                r.cands = [c[:w] for c in r.cands] if w else []
 
     def _arrange(self, seqs: list[list[int]]) -> int:
         """Split the step into two forwards when rows forward very different numbers of tokens (e.g. AR

@@ -58,6 +58,7 @@ def curve_points(pipe) -> list[dict]:
 
 def _evaluate_point(pipe, point, prompts, n_tpf, eos) -> dict:
     from megatron_jf.checkpointing import load_model
+    from megatron_jf.decoding import PAPER
     from megatron_jf.inference.engine import DecodeConfig, Engine
 
     p = pipe.p
@@ -65,7 +66,8 @@ def _evaluate_point(pipe, point, prompts, n_tpf, eos) -> dict:
     eng = Engine(model)
     R = p.response_tokens
     ar = eng.generate(prompts, DecodeConfig("ar"), max_new_tokens=R, eos_ids=eos)
-    jac = eng.generate(prompts[:n_tpf], DecodeConfig("jacobi", block_size=p.n2), max_new_tokens=R, eos_ids=eos)
+    jac = eng.generate(prompts[:n_tpf], DecodeConfig("jacobi", block_size=p.n2, **PAPER), max_new_tokens=R,
+                       eos_ids=eos)
     ref = [r.tokens for r in ar]
     if [r.tokens for r in jac] != ref[:n_tpf]:
         raise AssertionError(f"{point['label']}: Jacobi n={p.n2} output differs from greedy AR (not lossless)")

@@ -99,6 +99,7 @@ def distinct4(seqs) -> float:
 def build_report(pipe) -> dict:
     """Evaluate base and JF models on the held-out prompts; write ``report/report.{json,md}`` and plots."""
     from megatron_jf import parallel
+    from megatron_jf.decoding import PAPER
     from megatron_jf.inference.engine import DecodeConfig
     from megatron_jf.tokenizer import load_tokenizer
 
@@ -123,9 +124,9 @@ def build_report(pipe) -> dict:
         template = [json.loads(l)["prompt_ids"] for l in open(pipe.path("prompts_eval_template.jsonl"))]
         if p.noisy_prompts:
             noisy_records = _base_heldout_trajectories(pipe, prompt_rows[: p.noisy_prompts])
-    decoders = {"AR": DecodeConfig("ar"), f"Jacobi (n={n})": DecodeConfig("jacobi", block_size=n),
+    decoders = {"AR": DecodeConfig("ar"), f"Jacobi (n={n})": DecodeConfig("jacobi", block_size=n, **PAPER),
                 f"MR (n={n}, K=2, r=0.85, v=4)": DecodeConfig("mr", block_size=n, num_blocks=2, spawn_threshold=0.85,
-                                                           verification_size=4)}
+                                                           verification_size=4, **PAPER)}
     labels = {"base": "base", "jf1": "JF round 1", "jf2": "JF round 2"}
     models = {labels[ck]: ck for ck in p.report_models}
     rows, curves, outputs, tf_argmax, jacobi_tpf, fit_tpf, extras = [], {}, {}, {}, {}, {}, {}
@@ -240,6 +241,7 @@ def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos, fit=(), templa
         AssertionError: a decoder's output differs from greedy AR (a losslessness bug).
     """
     from megatron_jf.eval.hf_baseline import hf_twin, time_hf_greedy_decode
+    from megatron_jf.decoding import PAPER
     from megatron_jf.eval.speed import measure
     from megatron_jf.inference.engine import DecodeConfig, Engine
     from megatron_jf.quickstart.timing import time_interleaved, torch_threads
@@ -299,18 +301,18 @@ def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos, fit=(), templa
     for nb in p.eval_block_sizes:
         if nb not in curve:
             name = f"jacobi n={nb}"
-            sweep = measure(eng, prompts, {name: DecodeConfig("jacobi", block_size=nb)}, batch_size=len(prompts),
-                            reference=ref, **kw)
+            sweep = measure(eng, prompts, {name: DecodeConfig("jacobi", block_size=nb, **PAPER)},
+                            batch_size=len(prompts), reference=ref, **kw)
             curve[nb] = sweep.methods[name].tpf
     curve = {nb: curve[nb] for nb in p.eval_block_sizes}
     fit_tpf = template_tpf = noisy = None
     if fit:  # measure() adds the AR reference run and checks the Jacobi output against it
         name = f"jacobi n={p.report_n} (training prompts)"
-        fit_tpf = measure(eng, fit, {name: DecodeConfig("jacobi", block_size=p.report_n)}, batch_size=len(fit),
+        fit_tpf = measure(eng, fit, {name: DecodeConfig("jacobi", block_size=p.report_n, **PAPER)}, batch_size=len(fit),
                           **kw).methods[name].tpf
     if template:
         name = f"jacobi n={p.report_n} (held-out templates)"
-        template_tpf = measure(eng, template, {name: DecodeConfig("jacobi", block_size=p.report_n)},
+        template_tpf = measure(eng, template, {name: DecodeConfig("jacobi", block_size=p.report_n, **PAPER)},
                                batch_size=len(template), **kw).methods[name].tpf
     if noisy_records:
         from megatron_jf.eval.noisy_accuracy import noisy_accuracy

@@ -5,9 +5,10 @@ Every field a request may carry is either honoured or rejected with a :class:`Re
 (HTTP 400, or 422 for a wrong type) that names the field; unknown fields are rejected too, so nothing
 is silently ignored. Decoder selection: an optional ``"jf"`` object,
 ``{"decoder": "ar"|"jacobi"|"running-window"|"mr", "block_size": n, "num_blocks": K,
-"spawn_threshold": r, "verification_size": v, "ngram_pool_size": p, "draft_init": "context"|"repeat"}``;
-missing keys take the server default config's values (a different ``decoder`` alone keeps the
-default's parameters).
+"spawn_threshold": r, "verification_size": v, "ngram_pool_size": p, "draft_init": "context"|"repeat",
+"draft_width": "auto"|"fixed", "prompt_lookup_min": a, "prompt_lookup_max": b}`` (the fields of
+:class:`~megatron_jf.decoding.DecodeConfig`); missing keys take the server default config's values (a different
+``decoder`` alone keeps the default's parameters).
 
 Limits (:class:`Limits`; every one answered with a 4xx naming the field, never a 5xx): prompt tokens
 (the context window; a prompt longer than ``context x longest token`` characters is refused before it
@@ -228,6 +229,8 @@ def _decode_config(jf, default: DecodeConfig) -> DecodeConfig:
                                                   ("block_size", "block size"), ("num_blocks", "blocks K"),
                                                   ("spawn_threshold", "threshold"),
                                                   ("verification_size", "verification"),
+                                                  ("draft_width", "draft width"),
+                                                  ("prompt_lookup_max", "prompt lookup"),
                                                   ("ngram_pool_size", "pool size"))
                       if words in msg), "jf")
         raise RequestError(field, msg) from None

@@ -9,14 +9,17 @@ per-request options.
     (:class:`megatron_jf.decoding.RunningWindowPolicy`, ``block_size = n``).
 ``{"method": "mr", "num_speculative_tokens": K*n, "num_blocks": K}``
     Multi-block decoding with rejection recycling (paper Sec. 3.2, Algorithm 1) on vLLM's linear verification:
-    up to ``K`` blocks of ``n`` drafted back to back as one draft of at most ``K*n`` tokens, the best n-gram pool
-    candidate substituted for the real-active block's part before verification
-    (:class:`megatron_jf.decoding.MRPolicy` with ``linear=True``); the pool persists per request.
+    up to ``K`` blocks of ``n`` drafted back to back as one draft of at most ``K*n`` tokens, led by the pool's best
+    candidate -- a recycled n-gram or a context n-gram (prompt lookup: what followed earlier occurrences of the
+    newest tokens in the prompt and output) -- where the request's acceptance so far expects it to accept more
+    than the Jacobi draft (:class:`megatron_jf.decoding.MRPolicy` with ``linear=True``); the pool persists per
+    request. vLLM verifies the whole draft (the engine's cost-based width choice is this project's engine's).
 
 ``num_speculative_tokens`` is 1 to :data:`MAX_SPEC_LEN` (vLLM's cap). Optional keys (both methods unless noted), the
 fields of :class:`megatron_jf.decoding.DecodeConfig`: ``draft_init`` (``context`` | ``repeat``), and for ``mr``
 ``num_blocks`` K (default 2), ``spawn_threshold`` r, ``ngram_pool_size``, ``verification_size`` (>= 2 lets a pool
-candidate be chosen). Drafts are seeded by the request's ``SamplingParams.seed`` (0 when unset) and its prompt, as
+candidate be chosen), ``prompt_lookup_min`` / ``prompt_lookup_max`` (vLLM's n-gram names: the context n-grams'
+match lengths; ``prompt_lookup_max: 0`` turns them off). Drafts are seeded by the request's ``SamplingParams.seed`` (0 when unset) and its prompt, as
 in this project's engine. Method names are case-insensitive and keys may use ``-`` for ``_`` (as vLLM's own keys);
 a bad value, an unknown key or a near-miss of a method name is refused with one line naming the key, the allowed
 values and the value given.
@@ -47,11 +50,13 @@ METHODS = ("jacobi", "mr")
 #: ``vllm/v1/sample/rejection_sampler.py``; the plugin checks it against the installed vLLM when it loads).
 MAX_SPEC_LEN = 128
 _OPTIONS = {"jacobi": ("draft_init",),
-            "mr": ("draft_init", "num_blocks", "spawn_threshold", "ngram_pool_size", "verification_size")}
+            "mr": ("draft_init", "num_blocks", "spawn_threshold", "ngram_pool_size", "verification_size",
+                   "prompt_lookup_min", "prompt_lookup_max")}
 #: each option's allowed values as errors state them (the range checks themselves are DecodeConfig's)
 _ALLOWED = {"draft_init": "'context' or 'repeat'", "num_blocks": "an integer >= 1 dividing num_speculative_tokens",
             "spawn_threshold": "a number in (0, 1]", "ngram_pool_size": "an integer >= 1",
-            "verification_size": "an integer >= 1"}
+            "verification_size": "an integer >= 1", "prompt_lookup_min": "an integer >= 1",
+            "prompt_lookup_max": "an integer >= 0 (0: off)"}
 _TYPES = {f.name: f.type for f in dataclasses.fields(DecodeConfig)}  # "int" / "float" / "str"
 #: ``SamplingParams.extra_args`` keys of one request (see :func:`request_block_size`)
 REQUEST_OPTIONS = ("jf_draft", "jf_block_size")
@@ -71,7 +76,11 @@ def _check_option(method: str, key: str, v) -> None:
     ok = isinstance(v, str) if want == "str" else _is_int(v) or (want == "float" and isinstance(v, float))
     if ok:
         try:
-            DecodeConfig(**{key: v})  # DecodeConfig's own check of this field's range
+            # DecodeConfig's own check of this field's range (the prompt-lookup pair alone: min <= max is
+            # checked with both below)
+            pair = ({"prompt_lookup_max": max(v, 1)} if key == "prompt_lookup_min" else
+                    {"prompt_lookup_min": 1} if key == "prompt_lookup_max" else {})
+            DecodeConfig(**{key: v, **pair})
         except ValueError:
             ok = False
     if not ok:
@@ -105,7 +114,10 @@ def decode_config(spec: dict) -> DecodeConfig:
     if k % K:
         raise ValueError(f"speculative_config method 'mr': num_blocks must be {_ALLOWED['num_blocks']} ({k}), "
                          f"got {K!r}")
-    return DecodeConfig("mr", block_size=k // K, num_blocks=K, **opts)
+    try:
+        return DecodeConfig("mr", block_size=k // K, num_blocks=K, **opts)
+    except ValueError as e:  # options valid alone but not together (prompt_lookup_min > prompt_lookup_max)
+        raise ValueError(f"speculative_config method 'mr': {e}") from None
 
 
 def plugin_method(method) -> str | None:

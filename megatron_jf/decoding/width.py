@@ -1,0 +1,330 @@
+"""The draft width that pays on the machine it runs on (issue 33): a table of what one decode forward costs, each
+request's running acceptance by draft position, and the choice of how many draft tokens each row forwards this step.
+
+The paper sizes the draft offline (Appendix E: a grid over block size n and verification size v per model and
+GPU; ``tools/search_inference_config.py``). Here the choice is made every step from two measurements:
+
+* :class:`ForwardCost` -- seconds of one decode forward of ``rows`` rows of ``tokens`` tokens each (``[last] +
+  draft``), measured on the machine at start-up (:mod:`megatron_jf.inference.cost_model`) and interpolated. On a
+  GPU at small batch a 33-token forward costs about what a 1-token one does (memory-bound); on a CPU, or at large
+  batch anywhere, it costs several times more (compute-bound).
+* :class:`AcceptanceStats` -- per request and per draft *source* (the decoder's own Jacobi draft, a recycled
+  n-gram, a context n-gram by how many tokens of its context match), how often the draft token at position ``j``
+  was accepted given that positions ``0..j-1`` were: the conditional acceptance rate ``p_j``, shrunk towards the
+  source's pooled rate (and that towards a prior, :data:`PRIORS`) while few positions have been seen.
+
+A row drafting ``w`` tokens emits ``1 + E(w)`` tokens in expectation, ``E(w) = sum_{j<w} prod_{i<=j} p_i``
+(:func:`expected_accepted`); one forward of ``b`` rows costs ``cost.seconds(b, s)`` with ``s`` the longest row
+(rows are padded to it). :func:`choose_widths` picks the widths that maximise expected tokens per second of the
+step -- down to 0 (plain AR) when no draft is expected to beat it by :data:`MARGIN` -- with each row's draft length
+as its ceiling. The width only
+decides what is drafted: verification is unchanged, so the output is exactly what a fixed width gives (greedy: AR's).
+
+Standard library only, engine-independent: this project's engine applies the widths
+(:mod:`megatron_jf.inference.session`); the policies (:mod:`megatron_jf.decoding`) keep the statistics, so the vLLM
+plugin's proposer has them too.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+__all__ = ["MARGIN", "PRIORS", "AcceptanceStats", "ForwardCost", "RowDraft", "choose_widths", "context_source",
+           "expected_accepted", "width_grid"]
+
+#: Prior acceptance rate of each draft source, worth :data:`PRIOR_WEIGHT` observations of its pooled rate: the
+#: decoder's own Jacobi draft (``draft``; an ordinary model accepts a few percent of it, a Jacobi Forcing model
+#: more), a recycled n-gram (``pool``) and a context n-gram whose preceding 1, 2 or >= 3 tokens match the committed
+#: text (``context1..3``; prompt lookup on HumanEval chat prompts with SmolLM2-135M: 13 %, 43 % and 88 % at the first
+#: position). Only where a request has not drafted from a source yet do these matter.
+PRIORS = {"draft": 0.15, "pool": 0.2, "context1": 0.15, "context2": 0.45, "context3": 0.85}
+PRIOR_WEIGHT = 2.0
+#: Weight of the pooled rate in each position's estimate (observations).
+POSITION_WEIGHT = 1.0
+
+
+def context_source(match: int) -> str:
+    """The :class:`AcceptanceStats` source of a context n-gram whose ``match`` preceding tokens match the committed
+    text (``context1``, ``context2``, ``context3`` for 3 or more)."""
+    return f"context{max(1, min(int(match), 3))}"
+
+
+class AcceptanceStats:
+    """One request's running acceptance of draft tokens by position, per draft source.
+
+    Args:
+        decay: each record first multiplies the source's counts by this (0 < decay <= 1): old steps fade, so the
+            estimate follows a request whose text turns repetitive (or stops being so).
+
+    Raises:
+        ValueError: ``decay`` outside (0, 1].
+    """
+
+    __slots__ = ("decay", "_acc", "_att")
+
+    def __init__(self, decay: float = 0.98):
+        if not 0 < decay <= 1:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        self.decay = decay
+        self._acc: dict[str, list[float]] = {}
+        self._att: dict[str, list[float]] = {}
+
+    def record(self, source: str, tried: int, accepted: int) -> None:
+        """One verification of ``tried`` consecutive draft tokens from ``source`` (positions ``0..tried-1`` of its
+        segment): the first ``accepted`` were accepted; when ``accepted < tried`` the next one was rejected and the
+        rest were not reached.
+
+        Raises:
+            ValueError: ``accepted`` outside ``[0, tried]``.
+        """
+        if not 0 <= accepted <= tried:
+            raise ValueError(f"accepted must be in [0, tried={tried}], got {accepted}")
+        if tried == 0:
+            return
+        acc, att = self._acc.setdefault(source, []), self._att.setdefault(source, [])
+        if self.decay < 1:
+            d = self.decay
+            acc[:] = [x * d for x in acc]
+            att[:] = [x * d for x in att]
+        reached = min(tried, accepted + 1)
+        if len(att) < reached:
+            acc += [0.0] * (reached - len(acc))
+            att += [0.0] * (reached - len(att))
+        for j in range(reached):
+            att[j] += 1.0
+        for j in range(accepted):
+            acc[j] += 1.0
+
+    def rate(self, source: str) -> float:
+        """The source's pooled acceptance rate over all positions, with the prior (:data:`PRIORS`; 0.2 for an
+        unknown source) worth :data:`PRIOR_WEIGHT` observations."""
+        prior = PRIORS.get(source, 0.2)
+        acc, att = self._acc.get(source), self._att.get(source)
+        if not att:
+            return prior
+        return (sum(acc) + PRIOR_WEIGHT * prior) / (sum(att) + PRIOR_WEIGHT)
+
+    def probs(self, source: str, count: int) -> list[float]:
+        """Estimated conditional acceptance ``p_0..p_{count-1}`` of the first ``count`` positions of a draft from
+        ``source``: each position's record, shrunk towards :meth:`rate` (worth :data:`POSITION_WEIGHT`
+        observations). Floats in [0, 1]."""
+        if count <= 0:
+            return []
+        mu = self.rate(source)
+        acc, att = self._acc.get(source, ()), self._att.get(source, ())
+        n = min(count, len(att))
+        w = POSITION_WEIGHT
+        out = [(acc[j] + w * mu) / (att[j] + w) for j in range(n)]
+        return out + [mu] * (count - n)
+
+    def chain_probs(self, segments: Sequence[tuple[str, int]]) -> list[float]:
+        """:meth:`probs` of a draft made of ``segments`` ``[(source, length), ...]`` back to back (each segment's
+        positions counted from its own start)."""
+        out: list[float] = []
+        for source, n in segments:
+            out += self.probs(source, n)
+        return out
+
+    def record_chain(self, segments: Sequence[tuple[str, int]], tried: int, accepted: int) -> None:
+        """Record a verified draft made of ``segments``: its first ``tried`` tokens were forwarded and the first
+        ``accepted`` of them accepted (each segment gets the part it reached)."""
+        off = 0
+        for source, n in segments:
+            if off >= tried or accepted < off:
+                break
+            t = min(n, tried - off)
+            self.record(source, t, min(t, accepted - off))
+            off += n
+
+    def snapshot(self) -> dict[str, dict[str, list[float]]]:
+        """``{source: {"accepted": [...], "tried": [...]}}`` (decayed counts by position; for reports and tests)."""
+        return {s: {"accepted": list(self._acc[s]), "tried": list(self._att[s])} for s in self._att}
+
+
+def expected_accepted(probs: Sequence[float]) -> list[float]:
+    """``E(w)`` for ``w = 0..len(probs)``: expected accepted draft tokens when the first ``w`` positions are
+    forwarded, ``sum_{j<w} prod_{i<=j} probs[i]`` (verification stops at the first rejected token)."""
+    out, run, total = [0.0], 1.0, 0.0
+    for p in probs:
+        run *= p
+        total += run
+        out.append(total)
+    return out
+
+
+class ForwardCost:
+    """Seconds of one decode forward of ``rows`` rows x ``tokens`` tokens per row, from measured points.
+
+    Between measured token counts of one row count: linear; past the last: in proportion to the tokens, or with the
+    last segment's slope where that is steeper (never cheaper per token than measured: an unmeasured wide forward
+    is not taken for free); below the first: the first point. Between measured row counts: linear; past the largest: proportional to the
+    rows (the compute-bound worst case); below the smallest: that row's curve. Each row count's curve is made
+    non-decreasing in tokens (a noisy measurement must not make a wider forward look cheaper).
+
+    Args:
+        points: ``{rows: {tokens: seconds}}``, every count >= 1 and every time > 0.
+        about: what was measured and where (device, dtype, threads, context; free-form, kept in reports).
+
+    Raises:
+        ValueError: no points, a count < 1 or a time <= 0.
+    """
+
+    def __init__(self, points: Mapping[int, Mapping[int, float]], about: Mapping | None = None):
+        if not points or not all(points.values()):
+            raise ValueError("ForwardCost needs at least one measured point per row count")
+        self._rows: list[int] = []
+        self._curves: dict[int, tuple[list[int], list[float]]] = {}
+        for b in sorted(int(x) for x in points):
+            pts = {int(s): float(t) for s, t in points[b if b in points else str(b)].items()}
+            if b < 1 or min(pts) < 1 or min(pts.values()) <= 0:
+                raise ValueError(f"ForwardCost points must have rows, tokens >= 1 and seconds > 0, got rows {b}: {pts}")
+            ss = sorted(pts)
+            ts, hi = [], 0.0
+            for s in ss:
+                hi = max(hi, pts[s])
+                ts.append(hi)
+            self._rows.append(b)
+            self._curves[b] = (ss, ts)
+        self.about = dict(about or {})
+
+    @property
+    def rows(self) -> list[int]:
+        """The measured row counts, ascending."""
+        return list(self._rows)
+
+    def curve(self, rows: int) -> list[tuple[int, float]]:
+        """The measured ``(tokens, seconds)`` points of row count ``rows`` (monotone). Raises KeyError if not
+        measured."""
+        ss, ts = self._curves[rows]
+        return list(zip(ss, ts))
+
+    def points(self) -> dict[int, dict[int, float]]:
+        """All measured points, ``{rows: {tokens: seconds}}`` (monotone in tokens)."""
+        return {b: dict(self.curve(b)) for b in self._rows}
+
+    def _row_seconds(self, b: int, s: int) -> float:
+        ss, ts = self._curves[b]
+        if s <= ss[0]:
+            return ts[0]
+        i = bisect.bisect_left(ss, s)
+        if i < len(ss):
+            if ss[i] == s:
+                return ts[i]
+            s0, s1, t0, t1 = ss[i - 1], ss[i], ts[i - 1], ts[i]
+            return t0 + (t1 - t0) * (s - s0) / (s1 - s0)
+        prop = ts[-1] * s / ss[-1]
+        if len(ss) == 1:
+            return prop
+        slope = (ts[-1] - ts[-2]) / (ss[-1] - ss[-2])
+        return max(prop, ts[-1] + slope * (s - ss[-1]))
+
+    def seconds(self, rows: int, tokens: int) -> float:
+        """Estimated seconds of one forward of ``rows`` x ``tokens`` (both >= 1)."""
+        rs = self._rows
+        if rows <= rs[0]:
+            return self._row_seconds(rs[0], tokens)
+        if rows >= rs[-1]:
+            return self._row_seconds(rs[-1], tokens) * rows / rs[-1]
+        i = bisect.bisect_left(rs, rows)
+        if rs[i] == rows:
+            return self._row_seconds(rows, tokens)
+        b0, b1 = rs[i - 1], rs[i]
+        t0, t1 = self._row_seconds(b0, tokens), self._row_seconds(b1, tokens)
+        return t0 + (t1 - t0) * (rows - b0) / (b1 - b0)
+
+    def to_dict(self) -> dict:
+        """JSON-able ``{"points": {rows: {tokens: seconds}}, "about": {...}}`` (keys as strings)."""
+        return {"points": {str(b): {str(s): t for s, t in self.curve(b)} for b in self._rows}, "about": self.about}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "ForwardCost":
+        """Inverse of :meth:`to_dict`. Raises ValueError on a malformed table."""
+        try:
+            pts = {int(b): {int(s): float(t) for s, t in row.items()} for b, row in d["points"].items()}
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise ValueError(f"malformed forward cost table: {e}") from None
+        return cls(pts, d.get("about"))
+
+
+@dataclass(frozen=True)
+class RowDraft:
+    """One row's options for this step, as :func:`choose_widths` sees them.
+
+    Attributes:
+        probs: estimated conditional acceptance of each position of the row's draft (its length is the row's
+            ceiling: the most draft tokens it can forward).
+        branches: lengths of candidates verified in the same forward next to the draft (MR's tree), each cut to
+            the width; they add tokens to the row's forward (their value is not counted).
+        fixed: forward the whole draft and branches whatever the width (a fixed-width row next to auto ones).
+    """
+
+    probs: Sequence[float]
+    branches: Sequence[int] = ()
+    fixed: bool = False
+
+
+#: Widths :func:`choose_widths` considers (plus the longest draft): every width up to 8, then sparser.
+_GRID = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128)
+
+
+def width_grid(ceiling: int) -> list[int]:
+    """The widths considered for drafts of at most ``ceiling`` tokens: :data:`_GRID` below it, every 32 past 128,
+    and ``ceiling`` itself."""
+    out = [w for w in _GRID if w < ceiling]
+    w = _GRID[-1] + 32
+    while w < ceiling:
+        out.append(w)
+        w += 32
+    return out + [max(ceiling, 0)]
+
+
+#: A draft must be expected to beat plain AR's tokens per second by this fraction (the cost table is a measurement
+#: on a machine that may be shared: a smaller predicted gain is within its error, and AR is the safe side).
+MARGIN = 0.05
+
+
+def choose_widths(cost: ForwardCost, rows: Sequence[RowDraft], overhead_s: float = 0.0,
+                  margin: float = MARGIN) -> list[int]:
+    """Draft tokens each row forwards this step: the width ``W`` maximising expected tokens per second of one
+    padded forward, ``sum_r (1 + E_r(min(W, ceiling_r))) / (cost.seconds(len(rows), s(W)) + overhead_s)``,
+    with ``s(W)`` the longest row's ``1 + min(W, ceiling_r) + sum(min(W, branch))`` (fixed rows: their whole
+    draft and branches). Rows are padded to the longest, so every auto row drafts ``min(W, ceiling_r)``; ``W = 0``
+    is plain AR, and a ``W > 0`` must beat it by ``margin``. Ties go to the wider width (where the table says a
+    wider forward costs nothing more, it is taken).
+
+    Args:
+        cost: the forward's cost table.
+        rows: one :class:`RowDraft` per row of the forward.
+        overhead_s: seconds each step costs besides the forward (the same whatever the width).
+        margin: the fraction by which drafting must beat AR (:data:`MARGIN`).
+
+    Returns:
+        one width per row, ``0 <= width <= len(row.probs)``.
+    """
+    if not rows:
+        return []
+    b = len(rows)
+    floor = 1
+    auto = []
+    for r in rows:
+        if r.fixed:
+            floor = max(floor, 1 + len(r.probs) + sum(r.branches))
+        else:
+            auto.append((r, expected_accepted(r.probs)))
+    ceiling = max((len(r.probs) for r, _ in auto), default=0)
+    fixed_tokens = sum(1 + expected_accepted(r.probs)[-1] for r in rows if r.fixed)
+    best_w, best = 0, None
+    for W in width_grid(ceiling):
+        s, tokens = floor, fixed_tokens
+        for r, e in auto:
+            w = min(W, len(r.probs))
+            tokens += 1 + e[w]
+            s = max(s, 1 + w + sum(min(W, x) for x in r.branches))
+        rate = tokens / (cost.seconds(b, s) + overhead_s)
+        if best is None:  # W = 0: plain AR (or the fixed rows' forward)
+            best_w, best = W, rate * (1 + margin)
+        elif rate >= best:
+            best_w, best = W, rate
+    return [len(r.probs) if r.fixed else min(best_w, len(r.probs)) for r in rows]

@@ -1,0 +1,231 @@
+"""What one decode forward costs on this machine (issue 33): seconds by rows x tokens per row, measured at start-up
+and kept on disk, for the draft-width choice (:mod:`megatron_jf.decoding.width`).
+
+:func:`ensure_cost` times the engine's own decode forward (the runner's ``decode``: the lean forward, its static /
+CUDA-graph path, or megatron-core's, whichever the engine runs) on a scratch KV cache of :data:`CONTEXT` committed
+tokens per row, for the row counts of :data:`ROWS` below the batch and the batch's own (at most 64; more rows are
+extrapolated proportionally), and tokens per row from :data:`TOKENS` up to the widest forward. A row count's curve
+stops once a forward costs :data:`STOP_RATIO` times its one-token forward or :data:`BUDGET_S` is spent; past the
+last point the cost grows in proportion to the tokens (or with the last slope, if steeper). Each point is the fastest
+of :data:`REPS` passes after a warm-up (on a shared machine the slower ones waited for a core), and the one-token
+forward, which every ratio is taken against, is timed next to every point (a burst of load while it alone was timed
+would make every wider forward look cheap). On this project's CPU (SmolLM2-135M, one thread)
+a row count takes a few seconds, once: later starts read the file.
+
+The table is written atomically to ``<cache dir>/forward_cost/<key>.json``, the key a hash of everything the cost
+depends on -- the model's shape, parameter dtype, device (CPU model or GPU name), torch threads, forward
+implementation, tensor-parallel size and the measured context -- so a later start on the same machine reads it
+instead of measuring (``MEGATRON_JF_COST_CACHE``: the directory, or ``0`` for no file;
+:func:`megatron_jf.inference.options.cost_cache_dir`). Under tensor parallelism every rank times the same forwards
+and the slowest rank's time is kept, so all ranks choose the same widths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import time
+
+import torch
+
+from megatron_jf.decoding.width import ForwardCost
+from megatron_jf.inference import options
+from megatron_jf.inference.runner import ModelRunner, synchronize
+from megatron_jf.models.gpt import unwrap
+
+#: Tokens per row measured (up to the widest forward the session allows, which is always measured).
+TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+#: Row counts measured below the batch (the batch's own count, at most 64, is measured too); past the largest the
+#: cost is extrapolated proportionally, between two linearly.
+ROWS = (1, 4, 16, 64)
+#: Committed tokens per row while timing (attention reads them).
+CONTEXT = 128
+#: A row count's curve stops at a forward this many times its one-token forward.
+STOP_RATIO = 8.0
+#: Seconds one row count's measurement may take at most (a machine slowed by other jobs stops the curve early).
+BUDGET_S = 4.0
+#: Passes over the points; each point's fastest time is kept (the machine's own cost: slower runs waited for a
+#: shared core).
+REPS = 3
+#: Bump when the measurement changes (old cache files are then ignored).
+VERSION = 5
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"cpu:{name}"
+
+
+def cost_key(model, impl: str) -> dict:
+    """What the cost of ``model``'s decode forward depends on (the cache key): model shape, parameter dtype, device,
+    torch threads, forward implementation ``impl`` (with the lean forward's CPU weight copies), tensor-parallel
+    size, measured context, measurement version."""
+    from megatron.core import parallel_state as ps
+
+    m = unwrap(model)
+    p = next(m.parameters())
+    shape = dataclasses.asdict(m.model_args)
+    for k in ("eos_token_ids", "bos_token_id", "pad_token_id", "extra", "rms_norm_eps", "rope_theta"):
+        shape.pop(k, None)
+    tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    lean = getattr(m, "_jf_lean_forward", None)
+    if impl != "megatron" and lean is not None:
+        impl = f"{impl} (weight copies for {len(lean.gemv_transposed)} products, packed: {lean.packed})"
+    return {"model": shape, "dtype": str(p.dtype).replace("torch.", ""), "device": _device_name(p.device),
+            "threads": torch.get_num_threads(), "impl": impl, "tp": tp, "context": CONTEXT, "version": VERSION}
+
+
+def cache_file(key: dict) -> str | None:
+    """The cache file of ``key`` (None when caching is off)."""
+    root = options.cost_cache_dir()
+    if root is None:
+        return None
+    h = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return os.path.join(root, "forward_cost", f"{h}.json")
+
+
+def _load(path: str | None, key: dict) -> ForwardCost | None:
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        if d.get("about", {}).get("key") != key:
+            return None
+        return ForwardCost.from_dict(d)
+    except (OSError, ValueError):
+        return None
+
+
+def _store(path: str | None, cost: ForwardCost) -> None:
+    if path is None:
+        return
+    from megatron_jf.fileio import atomic_write_json
+
+    try:
+        atomic_write_json(path, cost.to_dict())
+    except OSError:  # a read-only cache directory: keep the table in memory only
+        pass
+
+
+def _tp_group():
+    """The tensor-parallel group when TP > 1, else None."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() == 1:
+        return None
+    return ps.get_tensor_model_parallel_group()
+
+
+def _agreed(seconds: float) -> float:
+    """The slowest tensor-parallel rank's time (every rank then takes the same decisions); the time itself at TP=1."""
+    group = _tp_group()
+    if group is None:
+        return seconds
+    t = torch.tensor([seconds], dtype=torch.float64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
+    return float(t)
+
+
+def _from_first_rank(obj):
+    """``obj`` as the tensor-parallel group's first rank has it (so every rank measures the same row counts and
+    ends with the same table, whatever each rank's cache file said); ``obj`` itself at TP=1."""
+    group = _tp_group()
+    if group is None:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=torch.distributed.get_global_rank(group, 0), group=group)
+    return box[0]
+
+
+def measure_rows(runner, rows: int, max_tokens: int, *, context: int = CONTEXT, budget_s: float = BUDGET_S,
+                 reps: int = REPS) -> dict[int, float]:
+    """Seconds of one decode forward of ``rows`` rows x ``s`` tokens (the fastest of ``reps``) for ``s`` in
+    :data:`TOKENS` up to ``max_tokens`` (and ``max_tokens``), until :data:`STOP_RATIO` or ``budget_s``.
+
+    Args:
+        runner: a :class:`~megatron_jf.inference.runner.ModelRunner` with at least ``rows`` rows of
+            ``context + max_tokens`` slots; its cache rows are used as scratch (lengths set to ``context``, then 0).
+    """
+    vocab = unwrap(runner.model).vocab_size_unpadded
+    gen = torch.Generator().manual_seed(0)
+    cache = runner.cache
+    grid = sorted({s for s in TOKENS if s < max_tokens} | {max_tokens})
+
+    def once(s: int) -> float:
+        seqs = torch.randint(0, vocab, (rows, s), generator=gen).tolist()
+        cache.lengths[:rows] = context
+        t0 = time.perf_counter()
+        runner.decode(0, rows, seqs, [context - 1] * rows, [s] * rows, [[]] * rows, tree=False)
+        synchronize(runner.device)
+        return _agreed(time.perf_counter() - t0)
+
+    try:
+        once(1)  # warm-ups: first-call allocations, the lean forward's weight copies, CUDA graph capture
+        once(2)
+        start = time.perf_counter()
+        times: dict[int, float] = {1: once(1)}
+
+        def point(s: int) -> None:  # the one-token forward is the reference: timed next to every point
+            times[1] = min(times[1], once(1))
+            if s != 1:
+                times[s] = min(times.get(s, float("inf")), once(s))
+
+        for s in grid:  # the first pass decides how far the curve goes
+            point(s)
+            spent = _agreed(time.perf_counter() - start)
+            if len(times) >= 4 and (times[s] > STOP_RATIO * times[1] or spent > budget_s):
+                break
+        for _ in range(reps - 1):  # then whole passes again, each point's fastest time kept
+            for s in list(times):
+                point(s)
+    finally:
+        cache.lengths.zero_()
+    return times
+
+
+def ensure_cost(model, cost: ForwardCost | None, rows: int, max_tokens: int, runner_options: dict) -> ForwardCost:
+    """A cost table covering ``rows`` rows (up to the largest of :data:`ROWS`): ``cost`` if it does, else the cached
+    table merged with it, measured now (and cached) for the row counts of :data:`ROWS` below ``rows`` and ``rows``
+    itself that lie above the largest row count known (those below it are interpolated).
+
+    Args:
+        cost: the table the engine holds (or None).
+        rows: rows of the batch about to decode; max_tokens: the widest forward per row it allows.
+        runner_options: the engine's :class:`~megatron_jf.inference.runner.ModelRunner` fields.
+    """
+    want = sorted({b for b in ROWS if b < rows} | {min(rows, ROWS[-1])})
+    if cost is not None and max(cost.rows) >= want[-1]:
+        return cost
+    probe = ModelRunner(model, 1, 2, **runner_options)  # resolves the forward implementation
+    key = cost_key(model, probe.impl)
+    path = cache_file(key)
+    cached = _load(path, key)
+    points = {} if cached is None else cached.points()
+    if cost is not None:
+        points.update(cost.points())
+    points = _from_first_rank(points)
+    known = max(points, default=0)
+    missing = [b for b in want if b > known]  # row counts below the largest known are interpolated
+    if not missing:
+        out = ForwardCost(points, {"key": key})
+        if cached is None or set(points) != set(cached.rows):
+            _store(path, out)
+        return out
+    runner = ModelRunner(model, max(missing), CONTEXT + max_tokens + 1, **runner_options)
+    for b in missing:
+        points[b] = measure_rows(runner, b, max_tokens)
+    del runner
+    out = ForwardCost(points, {"key": key})
+    _store(path, out)
+    return out

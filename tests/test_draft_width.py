@@ -1,0 +1,148 @@
+"""The draft width that pays (issue 33), without a model: the cost table's interpolation, each request's acceptance
+statistics, the width choice following the cost table, and every policy staying exactly greedy AR whatever width
+the verifier forwards (megatron_jf/decoding/width.py). No torch."""
+import random
+
+import pytest
+
+from megatron_jf.decoding import DecodeConfig, Outcome, accepted_prefix, jacobi_update, policy_for
+from megatron_jf.decoding.width import (AcceptanceStats, ForwardCost, RowDraft, choose_widths, expected_accepted,
+                                        width_grid)
+
+
+def _linear_cost(per_token: float, rows=(1,)) -> ForwardCost:
+    """A forward of s tokens costs 1 + per_token * (s - 1) (per row count: times the rows)."""
+    return ForwardCost({b: {s: b * (1 + per_token * (s - 1)) for s in (1, 2, 4, 8, 16, 32, 64)} for b in rows})
+
+
+def test_width_follows_the_cost_table():
+    row = [RowDraft([0.8] * 16)]
+    assert choose_widths(_linear_cost(0.0), row) == [16]  # wide forwards free: the ceiling
+    assert choose_widths(_linear_cost(1.0), row) == [0]  # a forward of s tokens costs s x: AR
+    # 1 + 0.25 (s - 1): expected tokens / cost = (1 + 0.8 + ... + 0.8^W) / (1 + 0.25 W): 1.44, 1.63, 1.69, 1.68 ...
+    assert choose_widths(_linear_cost(0.25), row) == [3]
+    assert choose_widths(_linear_cost(0.25), [RowDraft([0.8] * 2)]) == [2]  # the row's own draft is its ceiling
+    assert choose_widths(_linear_cost(0.01), [RowDraft([0.8, 0.0, 0.5])]) == [1]  # nothing past a sure rejection
+    assert choose_widths(_linear_cost(0.0), [RowDraft([0.8, 0.0, 0.5])]) == [3]  # ... unless it costs nothing
+    assert choose_widths(_linear_cost(0.0), [RowDraft([])]) == [0]
+    # a predicted gain within the table's measurement error (3 % < MARGIN = 5 %) stays AR
+    assert choose_widths(_linear_cost(0.1), [RowDraft([0.133])]) == [0]
+    assert choose_widths(_linear_cost(0.1), [RowDraft([0.133])], margin=0.0) == [1]
+    # a batch: one forward padded to the longest row; a row that accepts nothing still drafts (padding is free)
+    two = [RowDraft([0.9] * 8), RowDraft([0.0] * 8)]
+    assert choose_widths(_linear_cost(0.1, rows=(1, 2)), two) == [8, 8]
+    assert choose_widths(_linear_cost(0.5, rows=(1, 2)), two) == [0, 0]  # (2 + E) / (1 + 0.5 W) never beats 2
+    # a fixed-width row of 8 tokens sets the forward's length: auto rows draft up to 8 for free
+    mixed = [RowDraft([0.0] * 8, fixed=True), RowDraft([0.3] * 20)]
+    assert choose_widths(_linear_cost(0.5, rows=(2,)), mixed) == [8, 8]
+    # tree branches (MR candidates in the same forward) are cut to the width too and lengthen the forward:
+    # W tokens cost 1 + 0.05 * 4W: rates 1.50, 1.74, 1.85, 1.87, 1.84 for W = 1..5
+    assert choose_widths(_linear_cost(0.05), [RowDraft([0.8] * 16, branches=(16, 16, 16))]) == [4]
+    assert choose_widths(_linear_cost(0.05), [RowDraft([0.8] * 16)]) == [8]  # 4.33 / 1.4 = 3.09 beats W = 7, 10
+
+
+def test_forward_cost_interpolates_and_stays_monotone():
+    c = ForwardCost({1: {1: 1.0, 2: 2.5, 4: 2.0, 8: 3.0}, 3: {1: 3.0, 8: 10.0}})
+    assert c.curve(1) == [(1, 1.0), (2, 2.5), (4, 2.5), (8, 3.0)]  # noise made s=4 look cheaper than s=2
+    assert c.seconds(1, 3) == 2.5 and c.seconds(1, 6) == 2.75
+    assert c.seconds(1, 12) == 4.5  # past 8: proportional (3.0 * 12 / 8), the last slope (3.5) being flatter
+    assert ForwardCost({1: {1: 1.0, 2: 1.0, 3: 4.0}}).seconds(1, 4) == 7.0  # ... or the last slope, if steeper
+    assert c.seconds(2, 1) == 2.0 and c.seconds(2, 8) == 6.5  # between row counts: linear
+    assert c.seconds(6, 1) == 6.0  # past the largest row count: proportional
+    assert ForwardCost.from_dict(c.to_dict()).points() == c.points()
+    with pytest.raises(ValueError, match="seconds > 0"):
+        ForwardCost({1: {1: 0.0}})
+    with pytest.raises(ValueError, match="malformed"):
+        ForwardCost.from_dict({"points": {"x": {}}})
+    assert width_grid(0) == [0] and width_grid(9) == list(range(10)) and width_grid(200)[-3:] == [160, 192, 200]
+
+
+def test_acceptance_stats_by_position_and_source():
+    st = AcceptanceStats(decay=1.0)
+    assert st.probs("context3", 2) == [0.85, 0.85] and st.probs("draft", 1) == [0.15]  # the priors
+    st.record("draft", tried=3, accepted=1)  # position 0 accepted, 1 rejected, 2 not reached
+    mu = (1 + 2 * 0.15) / (2 + 2)  # pooled: 1 of 2 tried, prior 0.15 worth 2
+    assert st.rate("draft") == pytest.approx(mu)
+    assert st.probs("draft", 3) == pytest.approx([(1 + mu) / 2, mu / 2, mu])
+    st.record_chain([("context2", 2), ("draft", 5)], tried=4, accepted=3)  # context 2/2, then draft 1 of 2
+    assert st.snapshot()["context2"] == {"accepted": [1.0, 1.0], "tried": [1.0, 1.0]}
+    assert st.snapshot()["draft"] == {"accepted": [2.0, 0.0], "tried": [2.0, 2.0]}
+    d = AcceptanceStats(decay=0.5)
+    d.record("pool", 1, 1)
+    d.record("pool", 1, 0)
+    assert d.snapshot()["pool"] == {"accepted": [0.5], "tried": [1.5]}  # the older step counts half
+    assert expected_accepted([0.5, 0.5, 1.0]) == [0.0, 0.5, 0.75, 1.0]
+    with pytest.raises(ValueError, match="accepted must be"):
+        st.record("draft", 2, 3)
+
+
+# ------------------------------------------------------------------------------------------ a model-free loop
+def _mixing(seq):
+    return (seq[-1] * 7 + seq[-2] * 3 + 1) % 23 if len(seq) > 1 else 5
+
+
+def _copying(seq):
+    """Next token of a 'model' that continues the earliest earlier occurrence of the last two tokens (text that
+    repeats itself, as code repeats its prompt), else a mixing rule."""
+    for i in range(len(seq) - 2):
+        if seq[i] == seq[-2] and seq[i + 1] == seq[-1]:
+            return seq[i + 2]
+    return (seq[-1] * 5 + 3) % 31
+
+
+def _decode(cfg, prompt, f, max_new, widths=None, linear=False):
+    """Tree verification of draft + candidates against ``f``, each step cut to the width ``widths(step, len)``
+    gives (None: the whole draft). Returns (output, forwards)."""
+    pol = policy_for(cfg, linear)
+    st = pol.new_state(prompt, 0)
+    ctx, forwards = list(prompt), 0
+    while True:
+        prop = pol.propose(st, ctx)
+        w = len(prop.draft) if widths is None else widths(forwards, len(prop.draft))
+        draft = prop.draft[:w]
+        cands = [c[:w] for c in prop.candidates] if w else []
+        g = [f(ctx + draft[:j]) for j in range(len(draft) + 1)]
+        k = accepted_prefix(draft, g)
+        emitted, winner = draft[:k] + [g[k]], None
+        for i, c in enumerate(cands):
+            gc = [f(ctx + c[:j]) for j in range(len(c) + 1)]
+            kc = accepted_prefix(c, gc)
+            if kc > len(emitted) - 1:
+                emitted, winner = c[:kc] + [gc[kc]], i
+        forwards += 1
+        emitted = emitted[: max_new - (len(ctx) - len(prompt))]
+        ctx = ctx + emitted
+        if len(ctx) - len(prompt) >= max_new:
+            return ctx[len(prompt):], forwards
+        pol.observe(st, ctx, Outcome(g, emitted, len(emitted) - 1, winner))
+
+
+CONFIGS = ([DecodeConfig("jacobi", block_size=n) for n in (1, 5)]
+           + [DecodeConfig("running-window", block_size=4)]
+           + [DecodeConfig("mr", block_size=n, num_blocks=K, spawn_threshold=r, verification_size=v, draft_width=dw)
+              for n, K, r, v, dw in [(3, 2, 0.5, 2, "auto"), (8, 2, 0.85, 4, "auto"), (4, 3, 0.3, 3, "fixed"),
+                                     (4, 3, 0.3, 3, "auto")]])
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.decoder}-n{c.block_size}-K{c.num_blocks}-{c.draft_width}")
+def test_any_width_reproduces_greedy_ar(cfg):
+    """Whatever prefix of the draft a step verifies (the width cut, or vLLM verifying fewer tokens), the positions
+    it did not verify keep their guesses and the output is exactly greedy AR's."""
+    rnd = random.Random(0)
+    for f in (_mixing, _copying):
+        for prompt in ([4, 9], [1, 2, 3, 4, 5, 1, 2, 3], [7] * 5):
+            ar, _ = _decode(DecodeConfig("ar"), prompt, f, 40)
+            for linear in (False, True):
+                out, _ = _decode(cfg, prompt, f, 40, widths=lambda step, m: rnd.randint(0, m), linear=linear)
+                assert out == ar, (f.__name__, prompt, linear)
+
+
+def test_jacobi_update_keeps_guesses_past_the_verified_part():
+    assert jacobi_update([5, 6, 7, 8], [9, 9]) == [9, 9, 7, 8]  # 1 draft token verified: g covers positions 0-1
+    assert jacobi_update([5, 6], [9, 9, 9]) == [9, 9, 9]  # all verified, bonus prediction included
+    pol = policy_for(DecodeConfig("running-window", block_size=4, draft_init="repeat"))
+    st = pol.new_state([1, 2, 3], 0)
+    st.draft = [5, 6, 7, 8]
+    pol.propose(st, [1, 2, 3])
+    pol.observe(st, [1, 2, 3, 5, 40], Outcome([5, 40, 41], [5, 40], 1))  # width 2 of 4: 5 accepted, 40 corrects 6
+    assert st.draft == [41, 8, 40, 40]  # g past the accepted token, then the unverified guess 8, then refill
