@@ -6,8 +6,8 @@ import random
 import pytest
 
 from megatron_jf.decoding import DecodeConfig, Outcome, accepted_prefix, jacobi_update, policy_for
-from megatron_jf.decoding.width import (AcceptanceStats, ForwardCost, RowDraft, choose_widths, expected_accepted,
-                                        width_grid)
+from megatron_jf.decoding.width import (AcceptanceStats, ForwardCost, RowDraft, StepCalibration, choose_widths,
+                                        expected_accepted, width_grid)
 
 
 def _linear_cost(per_token: float, rows=(1,)) -> ForwardCost:
@@ -146,3 +146,30 @@ def test_jacobi_update_keeps_guesses_past_the_verified_part():
     pol.propose(st, [1, 2, 3])
     pol.observe(st, [1, 2, 3, 5, 40], Outcome([5, 40, 41], [5, 40], 1))  # width 2 of 4: 5 accepted, 40 corrects 6
     assert st.draft == [41, 8, 40, 40]  # g past the accepted token, then the unverified guess 8, then refill
+
+
+def test_step_calibration_backs_off_when_drafting_steps_cost_more_than_the_table():
+    """Batch 16 on this CPU: the table said a 2-token forward costs 1.1x a 1-token one, the drafting steps took 2x
+    their prediction (verification, MR's second pass, padding) while AR steps took 1x: the penalty is 2 and the
+    width choice goes from drafting to AR; the same drafts on the table alone still draft."""
+    cost = _linear_cost(0.1, rows=(16,))
+    rows = [RowDraft([0.5] * 4) for _ in range(16)]
+    assert choose_widths(cost, rows) != [0] * 16
+    cal = StepCalibration()
+    assert cal.penalty(16) == 1.0
+    for _ in range(5):
+        cal.record(16, False, 1.0, 1.0)
+        cal.record(16, True, 1.1, 2.2)
+    assert cal.penalty(16) == pytest.approx(2.0) and cal.penalty(1) == 1.0  # per row count (bucketed: 16-31)
+    assert cal.penalty(20) == cal.penalty(16) and cal.penalty(32) == 1.0
+    assert choose_widths(cost, rows, draft_penalty=cal.penalty(16)) == [0] * 16
+    # too few steps of one kind: the table as it is; extreme ratios clamped; bad times ignored
+    few = StepCalibration(min_steps=3)
+    few.record(4, True, 1.0, 9.0)
+    few.record(4, False, 1.0, 1.0)
+    assert few.penalty(4) == 1.0
+    for _ in range(3):
+        few.record(4, True, 1.0, 9.0)
+        few.record(4, False, 1.0, 1.0)
+        few.record(4, False, 0.0, 1.0)
+    assert few.penalty(4) == 4.0

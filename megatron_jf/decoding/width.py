@@ -31,8 +31,8 @@ import bisect
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-__all__ = ["MARGIN", "PRIORS", "AcceptanceStats", "ForwardCost", "RowDraft", "choose_widths", "context_source",
-           "expected_accepted", "width_grid"]
+__all__ = ["MARGIN", "PRIORS", "AcceptanceStats", "ForwardCost", "RowDraft", "StepCalibration", "choose_widths",
+           "context_source", "expected_accepted", "width_grid"]
 
 #: Prior acceptance rate of each draft source, worth :data:`PRIOR_WEIGHT` observations of its pooled rate: the
 #: decoder's own Jacobi draft (``draft``; an ordinary model accepts a few percent of it, a Jacobi Forcing model
@@ -286,7 +286,7 @@ MARGIN = 0.05
 
 
 def choose_widths(cost: ForwardCost, rows: Sequence[RowDraft], overhead_s: float = 0.0,
-                  margin: float = MARGIN) -> list[int]:
+                  margin: float = MARGIN, draft_penalty: float = 1.0) -> list[int]:
     """Draft tokens each row forwards this step: the width ``W`` maximising expected tokens per second of one
     padded forward, ``sum_r (1 + E_r(min(W, ceiling_r))) / (cost.seconds(len(rows), s(W)) + overhead_s)``,
     with ``s(W)`` the longest row's ``1 + min(W, ceiling_r) + sum(min(W, branch))`` (fixed rows: their whole
@@ -299,6 +299,8 @@ def choose_widths(cost: ForwardCost, rows: Sequence[RowDraft], overhead_s: float
         rows: one :class:`RowDraft` per row of the forward.
         overhead_s: seconds each step costs besides the forward (the same whatever the width).
         margin: the fraction by which drafting must beat AR (:data:`MARGIN`).
+        draft_penalty: factor on the table's cost of a drafting forward (``W > 0``) relative to an AR one:
+            :meth:`StepCalibration.penalty`, what the engine's steps measured against the table (1: the table).
 
     Returns:
         one width per row, ``0 <= width <= len(row.probs)``.
@@ -322,9 +324,62 @@ def choose_widths(cost: ForwardCost, rows: Sequence[RowDraft], overhead_s: float
             w = min(W, len(r.probs))
             tokens += 1 + e[w]
             s = max(s, 1 + w + sum(min(W, x) for x in r.branches))
-        rate = tokens / (cost.seconds(b, s) + overhead_s)
+        rate = tokens / (cost.seconds(b, s) * (draft_penalty if W else 1.0) + overhead_s)
         if best is None:  # W = 0: plain AR (or the fixed rows' forward)
             best_w, best = W, rate * (1 + margin)
         elif rate >= best:
             best_w, best = W, rate
     return [len(r.probs) if r.fixed else min(best_w, len(r.probs)) for r in rows]
+
+
+class StepCalibration:
+    """What whole engine steps cost against the cost table's forward, per row count: the table times one forward
+    alone; a drafting step also runs the verification, MR's second (pruned) pass, the n-gram pool, padding to the
+    longest row -- costs the table cannot see and that grow with the batch. Row counts are bucketed by powers of
+    two (:meth:`bucket`). Each step records its observed
+    seconds over the table's prediction, separately for steps that drafted and AR steps (exponential moving
+    averages, weight :attr:`alpha`); :meth:`penalty` is their ratio, the factor :func:`choose_widths` puts on a
+    drafting forward. Only costs are calibrated here, never acceptance (that is :class:`AcceptanceStats`'), so
+    a penalty learnt from drafting steps stays right while drafting is off.
+
+    Args:
+        alpha: EMA weight of each new step.
+        min_steps: steps of each kind before the penalty departs from 1.
+        bounds: the penalty's clamp ``(low, high)``.
+    """
+
+    def __init__(self, alpha: float = 0.1, min_steps: int = 3, bounds: tuple[float, float] = (0.5, 4.0)):
+        self.alpha, self.min_steps, self.bounds = alpha, min_steps, bounds
+        self._ratio: dict[tuple[int, bool], float] = {}
+        self._count: dict[tuple[int, bool], int] = {}
+
+    @staticmethod
+    def bucket(rows: int) -> int:
+        """Row counts share a calibration within powers of two (1, 2-3, 4-7, ...): a batch shrinking as its rows
+        finish keeps what it learnt."""
+        return max(1, rows).bit_length()
+
+    def record(self, rows: int, drafted: bool, predicted_s: float, observed_s: float) -> None:
+        """One step of ``rows`` rows, which ``drafted`` (any row forwarded draft tokens) or not, whose forward the
+        table predicted at ``predicted_s`` and which took ``observed_s`` seconds (both > 0, else ignored)."""
+        if predicted_s <= 0 or observed_s <= 0:
+            return
+        k = (self.bucket(rows), drafted)
+        r = observed_s / predicted_s
+        n = self._count.get(k, 0)
+        self._ratio[k] = r if n == 0 else (1 - self.alpha) * self._ratio[k] + self.alpha * r
+        self._count[k] = n + 1
+
+    @property
+    def steps(self) -> int:
+        """Steps recorded so far (all row counts, both kinds)."""
+        return sum(self._count.values())
+
+    def penalty(self, rows: int) -> float:
+        """Observed-over-table of drafting steps divided by that of AR steps at ``rows`` rows (1 until each kind
+        has :attr:`min_steps` steps), clamped to :attr:`bounds`."""
+        d, a = (self.bucket(rows), True), (self.bucket(rows), False)
+        if min(self._count.get(d, 0), self._count.get(a, 0)) < self.min_steps:
+            return 1.0
+        lo, hi = self.bounds
+        return min(hi, max(lo, self._ratio[d] / self._ratio[a]))

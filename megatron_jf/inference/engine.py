@@ -51,7 +51,7 @@ from __future__ import annotations
 import torch
 
 from megatron_jf.decoding import DECODERS, DRAFT_INITS, DecodeConfig, forward_width
-from megatron_jf.decoding.width import ForwardCost
+from megatron_jf.decoding.width import ForwardCost, StepCalibration
 from megatron_jf.inference import cost_model, options
 from megatron_jf.inference.results import GenerationResult
 from megatron_jf.inference.sampling import SamplingParams
@@ -97,6 +97,8 @@ class Engine:
         options.gemv_mode(gemv)
         self.runner_options = dict(forward=forward, mr_verify=mr_verify, gemv=gemv, cuda_graphs=cuda_graphs)
         self._cost, self._cost_given = forward_cost, forward_cost is not None
+        # whole steps against the measured table (a table given to the constructor is taken as it is: tests)
+        self.step_calibration = None if self._cost_given else StepCalibration()
 
     def forward_cost(self, rows: int = 1, max_tokens: int = 81) -> ForwardCost:
         """Seconds of one decode forward by rows x tokens per row on this machine (issue 33): the table given to the

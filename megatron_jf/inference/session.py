@@ -170,7 +170,7 @@ class BatchSession:
         for r in rows:
             p = r.policy.propose(r.state, r.ctx)
             r.draft, r.cands = p.draft, p.candidates
-        self._cut_widths(rows)
+        predicted = self._cut_widths(rows)
         for r in rows:
             r.n_main = 1 + len(r.draft)
             seqs.append(_tokens(r))
@@ -182,6 +182,8 @@ class BatchSession:
         dt = time.perf_counter() - t1
         for r in rows:
             r.decode_s += dt
+        if predicted is not None and self.engine.step_calibration is not None:
+            self.engine.step_calibration.record(m, max(len(x) for x in seqs) > 1, predicted, dt)
         if self.engine.check_invariants:
             for i, r in enumerate(rows):  # the cache holds prompt + emitted tokens, all but the newest one
                 want = len(r.prompt) + len(r.out) - 1
@@ -208,24 +210,29 @@ class BatchSession:
             r.prefill_s = dt
         self.slots.place(new)
 
-    def _cut_widths(self, rows: list[Row]) -> None:
+    def _cut_widths(self, rows: list[Row]) -> float | None:
         """Cut the drafts of ``draft_width="auto"`` rows (and their candidates) to this step's widths
-        (:func:`~megatron_jf.decoding.width.choose_widths` over the engine's forward cost and each row's acceptance
-        statistics); other rows forward their whole draft, and count as such in the forward's length."""
+        (:func:`~megatron_jf.decoding.width.choose_widths` over the engine's forward cost, its step calibration and
+        each row's acceptance statistics); other rows forward their whole draft, and count as such in the forward's
+        length. Returns the table's seconds for the forward as cut (None when no auto row had a draft)."""
         auto = [r.cfg.draft_width == "auto" and getattr(r.state, "traj", None) is None for r in rows]
         if not any(a and r.draft for a, r in zip(auto, rows)):
-            return
+            return None
         cost = self.engine.forward_cost(len(rows), self.max_width)
+        calib = self.engine.step_calibration
         tree = self.runner.mr_verify == "tree"
         specs = []
         for r, a in zip(rows, auto):
             branches = [len(c) for c in r.cands] if tree else ()
             probs = r.policy.draft_probs(r.state) if a else [0.0] * len(r.draft)
             specs.append(RowDraft(probs[: len(r.draft)], branches, fixed=not a))
-        for r, a, w in zip(rows, auto, choose_widths(cost, specs)):
+        penalty = calib.penalty(len(rows)) if calib is not None else 1.0
+        for r, a, w in zip(rows, auto, choose_widths(cost, specs, draft_penalty=penalty)):
             if a and w < len(r.draft):
                 r.draft = r.draft[:w]
                 r.cands = [c[:w] for c in r.cands] if w else []
+        return cost.seconds(len(rows), max(1 + len(r.draft) + (sum(map(len, r.cands)) if tree else 0)
+                                           for r in rows))
 
     def _arrange(self, seqs: list[list[int]]) -> int:
         """Split the step into two forwards when rows forward very different numbers of tokens (e.g. AR
