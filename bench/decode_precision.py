@@ -64,6 +64,7 @@ def main(argv=None):
     from megatron_jf import parallel
     from megatron_jf.checkpointing import load_model, tokenizer_path
     from megatron_jf.inference.engine import DecodeConfig, Engine
+    from megatron_jf.decoding import PAPER
     from megatron_jf.inference.forward import forward_logits
     from megatron_jf.precision import autocast, cpu_bf16_feature
     from megatron_jf.tokenizer import load_tokenizer
@@ -75,7 +76,7 @@ def main(argv=None):
     models = {"fp32": load_model(a.load, params_dtype=torch.float32)[0],
               "bf16 weights": load_model(a.load, params_dtype=torch.bfloat16)[0]}
     models["bf16 autocast"] = models["fp32"]
-    ar, jac = DecodeConfig("ar"), DecodeConfig("jacobi", block_size=a.block_size)
+    ar, jac = DecodeConfig("ar"), DecodeConfig("jacobi", block_size=a.block_size, **PAPER)
     best = {m: {"ar": float("inf"), "jac": float("inf")} for m in MODES}
     out = {}
     for rep in range(a.reps + 1):  # round 0 warms up

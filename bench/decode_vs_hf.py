@@ -124,6 +124,7 @@ def run_model(label, hf, model, prompts, a, out_rows):
     import torch
 
     from megatron_jf.inference.engine import DecodeConfig, Engine
+    from megatron_jf.decoding import PAPER
 
     n = a.block_size
     eng = Engine(model)
@@ -146,9 +147,9 @@ def run_model(label, hf, model, prompts, a, out_rows):
         return f
 
     paths = {"ar": ours(DecodeConfig("ar")),
-             f"jacobi n={n}": ours(DecodeConfig("jacobi", block_size=n)),
+             f"jacobi n={n}": ours(DecodeConfig("jacobi", block_size=n, **PAPER)),
              f"running-window n={n}": ours(DecodeConfig("running-window", block_size=n)),
-             f"mr n={n} K=2 v=4": ours(DecodeConfig("mr", block_size=n, num_blocks=2, verification_size=4)),
+             f"mr n={n} K=2 v=4": ours(DecodeConfig("mr", block_size=n, num_blocks=2, verification_size=4, **PAPER)),
              "transformers greedy": hf_gen(),
              f"transformers prompt-lookup {a.lookup}": hf_gen(prompt_lookup_num_tokens=a.lookup)}
     names = list(paths)

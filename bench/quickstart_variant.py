@@ -64,6 +64,7 @@ def measure(out: Path, ckpt: str, response_tokens: int, nll_chunks: int) -> dict
     from megatron_jf.eval.degenerate import degeneracy
     from megatron_jf.eval.speed import measure as measure_speed
     from megatron_jf.inference.engine import DecodeConfig, Engine
+    from megatron_jf.decoding import PAPER
     from megatron_jf.quickstart.report import _load, heldout_nll
     from megatron_jf.tokenizer import load_tokenizer
 
@@ -72,7 +73,7 @@ def measure(out: Path, ckpt: str, response_tokens: int, nll_chunks: int) -> dict
     model = _load(out / ckpt)
     nll, _ = heldout_nll(model, np.load(out / "tokens_heldout.npy"), nll_chunks)
     # measure() runs greedy AR first and checks the Jacobi output against it (LosslessError otherwise)
-    speed = measure_speed(Engine(model), prompts, {"jacobi": DecodeConfig("jacobi", block_size=32)},
+    speed = measure_speed(Engine(model), prompts, {"jacobi": DecodeConfig("jacobi", block_size=32, **PAPER)},
                           max_new_tokens=response_tokens, eos_ids=eos, batch_size=len(prompts), label=ckpt)
     return {"checkpoint": ckpt, "nll": round(float(nll), 4),
             "distinct_2": round(degeneracy(speed.outputs)["distinct_2"], 4),
