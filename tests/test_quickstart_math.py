@@ -64,13 +64,24 @@ def test_recipe_options_reach_pretrain_jf(tmp_path, monkeypatch):
     np.save(pipe.path("tokens_gt_train.npy"), np.arange(10, dtype=np.int32))
     a, _ = _jf_args(pipe, monkeypatch)
     # the preset's recipe: L_pc from the first unconverged token, states re-drawn each epoch, L_AR on the model's own
+    # output and on ground-truth answers (arm C of docs/results.md)
     assert _flag(a, "--consistency-positions") == "from_first_diff" and "--resample-noise-per-epoch" in a
+    assert float(_flag(a, "--ar-weight")) == 1 and float(_flag(a, "--anchor-weight")) == 1
+    assert _flag(a, "--anchor-data") == str(pipe.path("tokens_gt_train.npy"))
+    self_only = replace(pipe.p, ar_target="self")
+    a, _ = _jf_args(P.Pipeline(pipe.out, self_only, log=lambda *x: None), monkeypatch)
     assert float(_flag(a, "--ar-weight")) == 1 and "--anchor-data" not in a
     # L_AR on ground-truth answers: the clean blocks' AR weight goes to rows of the training prompts' answers
     gt = replace(pipe.p, ar_target="ground_truth", jf_ar_weight=2.0)
     a, _ = _jf_args(P.Pipeline(pipe.out, gt, log=lambda *x: None), monkeypatch)
     assert float(_flag(a, "--ar-weight")) == 0 and float(_flag(a, "--anchor-weight")) == 2
     assert _flag(a, "--anchor-data") == str(pipe.path("tokens_gt_train.npy"))
+    # both: the clean blocks keep theirs (without it L_pc collapsed: docs/results.md, arm B)
+    both = replace(gt, ar_target="both")
+    a, _ = _jf_args(P.Pipeline(pipe.out, both, log=lambda *x: None), monkeypatch)
+    assert float(_flag(a, "--ar-weight")) == 2 and float(_flag(a, "--anchor-weight")) == 2
+    with pytest.raises(ValueError, match="ar_target must be one of"):
+        _jf_args(P.Pipeline(pipe.out, replace(gt, ar_target="gt"), log=lambda *x: None), monkeypatch)
     with pytest.raises(ValueError, match="corpus anchor"):
         _jf_args(P.Pipeline(pipe.out, replace(gt, anchor_weight=0.5), log=lambda *x: None), monkeypatch)
     # the labelled alternatives: every offset, the same state every epoch
