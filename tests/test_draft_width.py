@@ -25,6 +25,9 @@ def test_width_follows_the_cost_table():
     assert choose_widths(_linear_cost(0.01), [RowDraft([0.8, 0.0, 0.5])]) == [1]  # nothing past a sure rejection
     assert choose_widths(_linear_cost(0.0), [RowDraft([0.8, 0.0, 0.5])]) == [3]  # ... unless it costs nothing
     assert choose_widths(_linear_cost(0.0), [RowDraft([])]) == [0]
+    # free wide forwards draft the ceiling even when little is expected to be accepted (the margin is for drafts that
+    # cost more than AR; it had sent these batch rows to AR, so a batch drafted unlike each row alone)
+    assert choose_widths(_linear_cost(0.0, rows=(1, 4)), [RowDraft([0.01] * 4)] * 4) == [4] * 4
     # a predicted gain within the table's measurement error (3 % < MARGIN = 5 %) stays AR
     assert choose_widths(_linear_cost(0.1), [RowDraft([0.133])]) == [0]
     assert choose_widths(_linear_cost(0.1), [RowDraft([0.133])], margin=0.0) == [1]

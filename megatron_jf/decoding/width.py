@@ -291,7 +291,7 @@ def choose_widths(cost: ForwardCost, rows: Sequence[RowDraft], overhead_s: float
     padded forward, ``sum_r (1 + E_r(min(W, ceiling_r))) / (cost.seconds(len(rows), s(W)) + overhead_s)``,
     with ``s(W)`` the longest row's ``1 + min(W, ceiling_r) + sum(min(W, branch))`` (fixed rows: their whole
     draft and branches). Rows are padded to the longest, so every auto row drafts ``min(W, ceiling_r)``; ``W = 0``
-    is plain AR, and a ``W > 0`` must beat it by ``margin``. Ties go to the wider width (where the table says a
+    is plain AR, and a ``W > 0`` whose forward costs more than AR's must beat it by ``margin``. Ties go to the wider width (where the table says a
     wider forward costs nothing more, it is taken).
 
     Args:
@@ -319,17 +319,19 @@ def choose_widths(cost: ForwardCost, rows: Sequence[RowDraft], overhead_s: float
             auto.append((r, expected_accepted(r.probs)))
     ceiling = max((len(r.probs) for r, _ in auto), default=0)
     fixed_tokens = sum(1 + expected_accepted(r.probs)[-1] for r in rows if r.fixed)
-    best_w, best = 0, None
+    best_w, best, ar_seconds = 0, None, None
     for W in width_grid(ceiling):
         s, tokens = floor, fixed_tokens
         for r, e in auto:
             w = min(W, len(r.probs))
             tokens += 1 + e[w] * yield_scale
             s = max(s, 1 + w + sum(min(W, x) for x in r.branches))
-        rate = tokens / (cost.seconds(b, s) * (draft_penalty if W else 1.0) + overhead_s)
+        seconds = cost.seconds(b, s) * (draft_penalty if W else 1.0) + overhead_s
+        rate = tokens / seconds
         if best is None:  # W = 0: plain AR (or the fixed rows' forward)
-            best_w, best = W, rate * (1 + margin)
-        elif rate >= best:
+            best_w, best, ar_seconds = W, rate, seconds
+        elif rate >= (best if best_w else best * (1 + margin if seconds > ar_seconds else 1)):
+            # (against AR, the margin where drafting costs more; between two drafting widths, the faster)
             best_w, best = W, rate
     return [len(r.probs) if r.fixed else min(best_w, len(r.probs)) for r in rows]
 
