@@ -177,21 +177,3 @@ def test_step_calibration_backs_off_when_drafting_steps_cost_more_than_the_table
         few.record(4, False, 0.0, 1.0)
     assert few.penalty(4) == 4.0
 
-
-def test_step_calibration_scales_optimistic_acceptance():
-    """Drafting steps at 16 rows that accepted a quarter of what the rows' statistics expected: the expected tokens
-    are scaled by 0.25 and the width choice falls back to AR; steps that accept what was expected leave them as they
-    are (the scale never exceeds 1)."""
-    cost = _linear_cost(0.1, rows=(16,))
-    rows = [RowDraft([0.5] * 4) for _ in range(16)]
-    cal = StepCalibration()
-    for _ in range(5):
-        cal.record(16, True, 1.0, 1.0, expected=8.0, accepted=2.0)
-        cal.record(16, False, 1.0, 1.0)
-    assert cal.yield_scale(16) == pytest.approx(0.25) and cal.penalty(16) == pytest.approx(1.0)
-    assert choose_widths(cost, rows) != [0] * 16
-    assert choose_widths(cost, rows, yield_scale=cal.yield_scale(16)) == [0] * 16
-    good = StepCalibration()
-    for _ in range(5):
-        good.record(1, True, 1.0, 1.0, expected=2.0, accepted=3.0)
-    assert good.yield_scale(1) == 1.0 and good.yield_scale(16) == 1.0

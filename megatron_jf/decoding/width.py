@@ -286,7 +286,7 @@ MARGIN = 0.05
 
 
 def choose_widths(cost: ForwardCost, rows: Sequence[RowDraft], overhead_s: float = 0.0,
-                  margin: float = MARGIN, draft_penalty: float = 1.0, yield_scale: float = 1.0) -> list[int]:
+                  margin: float = MARGIN, draft_penalty: float = 1.0) -> list[int]:
     """Draft tokens each row forwards this step: the width ``W`` maximising expected tokens per second of one
     padded forward, ``sum_r (1 + E_r(min(W, ceiling_r))) / (cost.seconds(len(rows), s(W)) + overhead_s)``,
     with ``s(W)`` the longest row's ``1 + min(W, ceiling_r) + sum(min(W, branch))`` (fixed rows: their whole
@@ -301,8 +301,6 @@ def choose_widths(cost: ForwardCost, rows: Sequence[RowDraft], overhead_s: float
         margin: the fraction by which drafting must beat AR (:data:`MARGIN`).
         draft_penalty: factor on the table's cost of a drafting forward (``W > 0``) relative to an AR one:
             :meth:`StepCalibration.penalty`, what the engine's steps measured against the table (1: the table).
-        yield_scale: factor on the auto rows' expected accepted tokens (:meth:`StepCalibration.yield_scale`: what
-            drafting steps accepted against what was expected; 1: the acceptance statistics as they are).
 
     Returns:
         one width per row, ``0 <= width <= len(row.probs)``.
@@ -324,7 +322,7 @@ def choose_widths(cost: ForwardCost, rows: Sequence[RowDraft], overhead_s: float
         s, tokens = floor, fixed_tokens
         for r, e in auto:
             w = min(W, len(r.probs))
-            tokens += 1 + e[w] * yield_scale
+            tokens += 1 + e[w]
             s = max(s, 1 + w + sum(min(W, x) for x in r.branches))
         seconds = cost.seconds(b, s) * (draft_penalty if W else 1.0) + overhead_s
         rate = tokens / seconds
@@ -343,9 +341,8 @@ class StepCalibration:
     two (:meth:`bucket`). Each step records its observed
     seconds over the table's prediction, separately for steps that drafted and AR steps (exponential moving
     averages, weight :attr:`alpha`); :meth:`penalty` is their ratio, the factor :func:`choose_widths` puts on a
-    drafting forward. Drafting steps also record the draft tokens they accepted against the acceptance
-    statistics' expectation: :meth:`yield_scale` (at most 1) corrects requests' estimates that are optimistic
-    together (the batch pays the widest row's forward; a few confident rows can widen it for nothing).
+    drafting forward. Only costs are calibrated here, never acceptance (that is :class:`AcceptanceStats`'), so
+    a penalty learnt from drafting steps stays right while drafting is off.
 
     Args:
         alpha: EMA weight of each new step.
@@ -358,7 +355,6 @@ class StepCalibration:
         self.alpha, self.min_steps, self.bounds = alpha, min_steps, bounds
         self._ratio: dict[tuple[int, bool], float] = {}
         self._count: dict[tuple[int, bool], int] = {}
-        self._yield: dict[int, tuple[float, float]] = {}  # bucket -> (EMA of accepted, EMA of expected)
 
     @staticmethod
     def bucket(rows: int) -> int:
@@ -366,16 +362,9 @@ class StepCalibration:
         finish keeps what it learnt."""
         return max(1, rows).bit_length()
 
-    def record(self, rows: int, drafted: bool, predicted_s: float, observed_s: float,
-               expected: float | None = None, accepted: float | None = None) -> None:
+    def record(self, rows: int, drafted: bool, predicted_s: float, observed_s: float) -> None:
         """One step of ``rows`` rows, which ``drafted`` (any row forwarded draft tokens) or not, whose forward the
-        table predicted at ``predicted_s`` and which took ``observed_s`` seconds (both > 0, else ignored); for a
-        drafting step, the draft tokens the auto rows were ``expected`` to have accepted and ``accepted``."""
-        if drafted and expected is not None and accepted is not None and expected > 0:
-            b = self.bucket(rows)
-            a0, e0 = self._yield.get(b, (accepted, expected))
-            k = self.alpha
-            self._yield[b] = ((1 - k) * a0 + k * accepted, (1 - k) * e0 + k * expected)
+        table predicted at ``predicted_s`` and which took ``observed_s`` seconds (both > 0, else ignored)."""
         if predicted_s <= 0 or observed_s <= 0:
             return
         k = (self.bucket(rows), drafted)
@@ -388,14 +377,6 @@ class StepCalibration:
     def steps(self) -> int:
         """Steps recorded so far (all row counts, both kinds)."""
         return sum(self._count.values())
-
-    def yield_scale(self, rows: int) -> float:
-        """Accepted over expected draft tokens of drafting steps at ``rows`` rows (EMAs of each; 1 until drafting
-        steps are recorded), clamped to ``[0.1, 1]``."""
-        if self._count.get((self.bucket(rows), True), 0) < self.min_steps or self.bucket(rows) not in self._yield:
-            return 1.0
-        a, e = self._yield[self.bucket(rows)]
-        return min(1.0, max(0.1, a / e)) if e > 0 else 1.0
 
     def penalty(self, rows: int) -> float:
         """Observed-over-table of drafting steps divided by that of AR steps at ``rows`` rows (1 until each kind

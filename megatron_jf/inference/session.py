@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_jf.decoding import DecodeConfig, Outcome, accepted_prefix, forward_width, policy_for
-from megatron_jf.decoding.width import RowDraft, choose_widths, expected_accepted
+from megatron_jf.decoding.width import RowDraft, choose_widths
 from megatron_jf.inference import mr_verify
 from megatron_jf.inference.results import GenerationResult
 from megatron_jf.inference.runner import ModelRunner
@@ -170,8 +170,7 @@ class BatchSession:
         for r in rows:
             p = r.policy.propose(r.state, r.ctx)
             r.draft, r.cands = p.draft, p.candidates
-        predicted, expected = self._cut_widths(rows)
-        out0 = [len(r.out) for r in rows]
+        predicted = self._cut_widths(rows)
         for r in rows:
             r.n_main = 1 + len(r.draft)
             seqs.append(_tokens(r))
@@ -184,8 +183,7 @@ class BatchSession:
         for r in rows:
             r.decode_s += dt
         if predicted is not None and self.engine.step_calibration is not None:
-            accepted = sum(max(0, len(r.out) - o - 1) for r, o in zip(rows, out0))
-            self.engine.step_calibration.record(m, max(len(x) for x in seqs) > 1, predicted, dt, expected, accepted)
+            self.engine.step_calibration.record(m, max(len(x) for x in seqs) > 1, predicted, dt)
         if self.engine.check_invariants:
             for i, r in enumerate(rows):  # the cache holds prompt + emitted tokens, all but the newest one
                 want = len(r.prompt) + len(r.out) - 1
@@ -212,15 +210,14 @@ class BatchSession:
             r.prefill_s = dt
         self.slots.place(new)
 
-    def _cut_widths(self, rows: list[Row]) -> tuple[float | None, float | None]:
+    def _cut_widths(self, rows: list[Row]) -> float | None:
         """Cut the drafts of ``draft_width="auto"`` rows (and their candidates) to this step's widths
         (:func:`~megatron_jf.decoding.width.choose_widths` over the engine's forward cost, its step calibration and
         each row's acceptance statistics); other rows forward their whole draft, and count as such in the forward's
-        length. Returns the table's seconds for the forward as cut and the draft tokens the rows are expected to
-        accept ``(None, None)`` when no auto row had a draft)."""
+        length. Returns the table's seconds for the forward as cut (None when no auto row had a draft)."""
         auto = [r.cfg.draft_width == "auto" and getattr(r.state, "traj", None) is None for r in rows]
         if not any(a and r.draft for a, r in zip(auto, rows)):
-            return None, None
+            return None
         cost = self.engine.forward_cost(len(rows), self.max_width)
         calib = self.engine.step_calibration
         tree = self.runner.mr_verify == "tree"
@@ -229,16 +226,13 @@ class BatchSession:
             branches = [len(c) for c in r.cands] if tree else ()
             probs = r.policy.draft_probs(r.state) if a else [0.0] * len(r.draft)
             specs.append(RowDraft(probs[: len(r.draft)], branches, fixed=not a))
-        penalty, scale = (calib.penalty(len(rows)), calib.yield_scale(len(rows))) if calib is not None else (1.0, 1.0)
-        expected = 0.0
-        for r, a, w, spec in zip(rows, auto, choose_widths(cost, specs, draft_penalty=penalty, yield_scale=scale),
-                                 specs):
+        penalty = calib.penalty(len(rows)) if calib is not None else 1.0
+        for r, a, w in zip(rows, auto, choose_widths(cost, specs, draft_penalty=penalty)):
             if a and w < len(r.draft):
                 r.draft = r.draft[:w]
                 r.cands = [c[:w] for c in r.cands] if w else []
-            expected += expected_accepted(spec.probs)[min(w, len(spec.probs))]
         return cost.seconds(len(rows), max(1 + len(r.draft) + (sum(map(len, r.cands)) if tree else 0)
-                                           for r in rows)), expected
+                                           for r in rows))
 
     def _arrange(self, seqs: list[list[int]]) -> int:
         """Split the step into two forwards when rows forward very different numbers of tokens (e.g. AR
