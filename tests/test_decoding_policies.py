@@ -279,6 +279,11 @@ def test_context_ngrams_found_and_ranked():
     fresh = ContextNGrams(min_match=1, max_match=4).candidates(grown, 4, 3)
     assert idx.candidates(grown, 4, 3) == fresh == [([9, 9, 8], 1), ([7, 6, 3], 1), ([4, 1, 2], 1), ([4, 1, 9], 1)]
     assert idx.candidates([7], 3, 4) == []  # no earlier occurrence
+    # a continuation that runs into the newest tokens copies on with the pattern's period (it stopped at the end of
+    # the context: 4 of 8 tokens for a cycle of 4, so MR's first draft on a repeating prompt was half Jacobi guesses)
+    cyc = [1, 2, 3, 4] * 2 + [1]
+    assert ContextNGrams(min_match=1, max_match=4).candidates(cyc, 1, 8) == [([2, 3, 4, 1, 2, 3, 4, 1], 4)]
+    assert ContextNGrams().candidates([5, 5], 1, 3) == [([5, 5, 5], 1)]
     with pytest.raises(ValueError, match="min_match <= max_match"):
         ContextNGrams(min_match=3, max_match=2)
 
@@ -293,7 +298,8 @@ def test_mr_ranks_context_ngrams_with_recycled_ones_and_lets_the_best_lead():
     st.pool.add_rejected(12, [41, 99, 98])  # recycled: 41 99 98 recorded after 12 (match 2), and 99 98 after 41
     ranked = pol.ranked(st, ctx)
     # match 2 each; context first (earliest occurrence first), then the recycled one
-    assert ranked == [([60, 61, 62, 63, 64, 70, 12, 41], "context2"), ([80, 81, 8, 12, 41], "context2"),
+    # (the second runs into the newest tokens and copies on with its period, 5)
+    assert ranked == [([60, 61, 62, 63, 64, 70, 12, 41], "context2"), ([80, 81, 8, 12, 41, 80, 81, 8], "context2"),
                       ([99, 98], "pool")]
     assert pol.candidates(st, ctx) == [[60], [80], [99]]  # tree branches: cut to the RA block's 1 unknown token
     # auto: the context n-gram (prior 0.45 a token) is expected to accept more than the Jacobi draft (0.15): it

@@ -132,7 +132,8 @@ class ContextNGrams:
     def candidates(self, context: list[int], k: int, max_len: int,
                    exclude: tuple | None = None) -> list[tuple[list[int], int]]:
         """Up to ``k`` ``(continuation, match)`` pairs for ``context[-1]``: the ``max_len`` tokens after an earlier
-        occurrence of it (not including it), ``match`` the number of tokens ending at that occurrence that equal the
+        occurrence of it (not including it; where they run past the context, the copy goes on overlapping itself, so a
+        pattern repeating with period ``p`` is continued with that period), ``match`` the number of tokens ending at that occurrence that equal the
         tokens ending at ``context[-1]`` (at most ``max_match``, at least ``min_match``). Best first: longer matches,
         then earlier occurrences. Duplicate continuations and one equal to ``exclude`` (the draft) are dropped.
         """
@@ -153,7 +154,11 @@ class ContextNGrams:
         scored.sort(key=lambda x: -x[0])  # stable: earliest first among equal matches
         out, seen = [], set()
         for m, i in scored:
-            cont = tuple(context[i + 1: i + 1 + max_len])
+            seq = context[i + 1: i + 1 + max_len]
+            while len(seq) < max_len:  # the continuation runs into the newest tokens: copy on, overlapping (a
+                j = i + 1 + len(seq)  # repeating pattern continues with its period, LZ77-style)
+                seq.append(context[j] if j < n else seq[j - n])
+            cont = tuple(seq)
             if cont in seen or (exclude is not None and cont == exclude[:len(cont)]):
                 continue
             seen.add(cont)
