@@ -54,8 +54,10 @@ def ckpt(mp1, tmp_path_factory):
 
 
 def _eval_args(ckpt, out, bench, *extra):
+    # the fixed width: these tests check Jacobi's accepted tokens (with the default auto width a tiny model's
+    # cheap forward can make every step an AR step on a given machine)
     return ["--load", ckpt, "--benchmark", bench, "--decoder", "jacobi", "--block-size", "4", "--draft-init", "repeat",
-            "--limit", "2", "--max-new-tokens", "8", "--out", str(out), "--no-progress", "--threads", "1", *extra]
+            "--draft-width", "fixed", "--limit", "2", "--max-new-tokens", "8", "--out", str(out), "--no-progress", "--threads", "1", *extra]
 
 
 def _records(path):

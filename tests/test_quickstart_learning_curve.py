@@ -47,6 +47,7 @@ def _model():
 def test_learning_curve_evaluates_every_saved_iteration(tmp_path, mp1):
     from megatron_jf import checkpointing as C
     from megatron_jf.inference.engine import DecodeConfig, Engine
+    from megatron_jf.decoding import PAPER
     from megatron_jf.quickstart.learning_curve import curve_markdown, curve_points, evaluate_curve, plot_curve
 
     pre = replace(PRESETS["smoke"], jf1_steps=4, jf2_steps=6, jf_mbs=3, n2=8, response_tokens=10,
@@ -69,7 +70,7 @@ def test_learning_curve_evaluates_every_saved_iteration(tmp_path, mp1):
         model, _, _ = C.load_model(str(tmp_path / g["ckpt"]), iteration=g["iteration"])
         eng = Engine(model)
         ar = eng.generate([r["prompt_ids"] for r in rows], DecodeConfig("ar"), max_new_tokens=10)
-        jac = eng.generate([r["prompt_ids"] for r in rows[:2]], DecodeConfig("jacobi", block_size=8),
+        jac = eng.generate([r["prompt_ids"] for r in rows[:2]], DecodeConfig("jacobi", block_size=8, **PAPER),
                            max_new_tokens=10)
         cache = json.loads((tmp_path / "report" / f"curve_{g['ckpt']}_{g['iteration'] or 'latest'}.json").read_text())
         assert cache["outputs"] == [r.tokens for r in ar]

@@ -146,8 +146,10 @@ def search(engine, prompts, *, decoder: str, block_sizes, verification_sizes, nu
     grid = list(itertools.product(block_sizes, verification_sizes, num_blocks, spawn_thresholds))
     if decoder != "mr":  # v, K, r only matter for mr
         grid = sorted({(n, 1, 1, 1.0) for n, *_ in grid})
+    # each point at its fixed width: the grid is the paper's offline choice of n and v (Appendix E); the default
+    # draft_width="auto" would re-choose the width every step and blur the points together
     cfgs = [decode_config_from(decoder, block_size=n, verification_size=v, num_blocks=K, spawn_threshold=r,
-                               draft_init=draft_init, ngram_pool_size=ngram_pool_size)
+                               draft_init=draft_init, ngram_pool_size=ngram_pool_size, draft_width="fixed")
             for n, v, K, r in grid]
     it = cfgs
     if progress:
