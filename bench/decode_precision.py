@@ -63,8 +63,8 @@ def main(argv=None):
     torch.set_num_threads(a.threads)
     from megatron_jf import parallel
     from megatron_jf.checkpointing import load_model, tokenizer_path
-    from megatron_jf.inference.engine import DecodeConfig, Engine
     from megatron_jf.decoding import PAPER
+    from megatron_jf.inference.engine import DecodeConfig, Engine
     from megatron_jf.inference.forward import forward_logits
     from megatron_jf.precision import autocast, cpu_bf16_feature
     from megatron_jf.tokenizer import load_tokenizer

@@ -123,8 +123,8 @@ class _ForwardCounter:
 def run_model(label, hf, model, prompts, a, out_rows):
     import torch
 
-    from megatron_jf.inference.engine import DecodeConfig, Engine
     from megatron_jf.decoding import PAPER
+    from megatron_jf.inference.engine import DecodeConfig, Engine
 
     n = a.block_size
     eng = Engine(model)

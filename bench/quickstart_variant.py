@@ -63,8 +63,8 @@ def measure(out: Path, ckpt: str, response_tokens: int, nll_chunks: int) -> dict
 
     from megatron_jf.eval.degenerate import degeneracy
     from megatron_jf.eval.speed import measure as measure_speed
-    from megatron_jf.inference.engine import DecodeConfig, Engine
     from megatron_jf.decoding import PAPER
+    from megatron_jf.inference.engine import DecodeConfig, Engine
     from megatron_jf.quickstart.report import _load, heldout_nll
     from megatron_jf.tokenizer import load_tokenizer
 

@@ -132,10 +132,11 @@ class ContextNGrams:
     def candidates(self, context: list[int], k: int, max_len: int,
                    exclude: tuple | None = None) -> list[tuple[list[int], int]]:
         """Up to ``k`` ``(continuation, match)`` pairs for ``context[-1]``: the ``max_len`` tokens after an earlier
-        occurrence of it (not including it; where they run past the context, the copy goes on overlapping itself, so a
-        pattern repeating with period ``p`` is continued with that period), ``match`` the number of tokens ending at that occurrence that equal the
-        tokens ending at ``context[-1]`` (at most ``max_match``, at least ``min_match``). Best first: longer matches,
-        then earlier occurrences. Duplicate continuations and one equal to ``exclude`` (the draft) are dropped.
+        occurrence of it (not including it; where they run past the context, the copy goes on overlapping itself, so
+        a pattern repeating with period ``p`` is continued with that period), ``match`` the number of tokens ending at
+        that occurrence that equal the tokens ending at ``context[-1]`` (at most ``max_match``, at least
+        ``min_match``). Best first: longer matches, then earlier occurrences. Duplicate continuations and one equal to
+        ``exclude`` (the draft) are dropped.
         """
         if k <= 0 or max_len <= 0 or not context:
             return []

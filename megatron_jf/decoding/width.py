@@ -291,8 +291,8 @@ def choose_widths(cost: ForwardCost, rows: Sequence[RowDraft], overhead_s: float
     padded forward, ``sum_r (1 + E_r(min(W, ceiling_r))) / (cost.seconds(len(rows), s(W)) + overhead_s)``,
     with ``s(W)`` the longest row's ``1 + min(W, ceiling_r) + sum(min(W, branch))`` (fixed rows: their whole
     draft and branches). Rows are padded to the longest, so every auto row drafts ``min(W, ceiling_r)``; ``W = 0``
-    is plain AR, and a ``W > 0`` whose forward costs more than AR's must beat it by ``margin``. Ties go to the wider width (where the table says a
-    wider forward costs nothing more, it is taken).
+    is plain AR, and a ``W > 0`` whose forward costs more than AR's must beat it by ``margin``. Ties go to the wider
+    width (where the table says a wider forward costs nothing more, it is taken).
 
     Args:
         cost: the forward's cost table.
@@ -337,12 +337,12 @@ def choose_widths(cost: ForwardCost, rows: Sequence[RowDraft], overhead_s: float
 class StepCalibration:
     """What whole engine steps cost against the cost table's forward, per row count: the table times one forward
     alone; a drafting step also runs the verification, MR's second (pruned) pass, the n-gram pool, padding to the
-    longest row -- costs the table cannot see and that grow with the batch. Row counts are bucketed by powers of
-    two (:meth:`bucket`). Each step records its observed
-    seconds over the table's prediction, separately for steps that drafted and AR steps (exponential moving
-    averages, weight :attr:`alpha`); :meth:`penalty` is their ratio, the factor :func:`choose_widths` puts on a
-    drafting forward. Only costs are calibrated here, never acceptance (that is :class:`AcceptanceStats`'), so
-    a penalty learnt from drafting steps stays right while drafting is off.
+    longest row -- costs the table cannot see and that grow with the batch. Each step records its observed seconds
+    over the table's prediction, separately for steps that drafted and AR steps (exponential moving averages, weight
+    :attr:`alpha`; row counts bucketed by powers of two, :meth:`bucket`); :meth:`penalty` is their ratio, the factor
+    :func:`choose_widths` puts on a drafting forward. Not from the paper (its widths are fixed, chosen offline in
+    Appendix E): this is issue 33's on-line choice. Only costs are calibrated here, never acceptance (that is
+    :class:`AcceptanceStats`'), so a penalty learnt from drafting steps stays right while drafting is off.
 
     Args:
         alpha: EMA weight of each new step.

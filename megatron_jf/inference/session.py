@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_jf.decoding import DecodeConfig, Outcome, accepted_prefix, forward_width, policy_for
-from megatron_jf.decoding.width import RowDraft, choose_widths
+from megatron_jf.decoding.width import ForwardCost, RowDraft, choose_widths
 from megatron_jf.inference import mr_verify
 from megatron_jf.inference.results import GenerationResult
 from megatron_jf.inference.runner import ModelRunner
@@ -170,7 +170,7 @@ class BatchSession:
         for r in rows:
             p = r.policy.propose(r.state, r.ctx)
             r.draft, r.cands = p.draft, p.candidates
-        predicted = self._cut_widths(rows)
+        cost = self._cut_widths(rows)
         for r in rows:
             r.n_main = 1 + len(r.draft)
             seqs.append(_tokens(r))
@@ -182,8 +182,9 @@ class BatchSession:
         dt = time.perf_counter() - t1
         for r in rows:
             r.decode_s += dt
-        if predicted is not None and self.engine.step_calibration is not None:
-            self.engine.step_calibration.record(m, max(len(x) for x in seqs) > 1, predicted, dt)
+        if cost is not None and self.engine.step_calibration is not None:  # the step against the table's forward
+            s = max(len(x) for x in seqs)
+            self.engine.step_calibration.record(m, s > 1, cost.seconds(m, s), dt)
         if self.engine.check_invariants:
             for i, r in enumerate(rows):  # the cache holds prompt + emitted tokens, all but the newest one
                 want = len(r.prompt) + len(r.out) - 1
@@ -210,11 +211,11 @@ class BatchSession:
             r.prefill_s = dt
         self.slots.place(new)
 
-    def _cut_widths(self, rows: list[Row]) -> float | None:
+    def _cut_widths(self, rows: list[Row]) -> ForwardCost | None:
         """Cut the drafts of ``draft_width="auto"`` rows (and their candidates) to this step's widths
         (:func:`~megatron_jf.decoding.width.choose_widths` over the engine's forward cost, its step calibration and
         each row's acceptance statistics); other rows forward their whole draft, and count as such in the forward's
-        length. Returns the table's seconds for the forward as cut (None when no auto row had a draft)."""
+        length. Returns the cost table used (None when no auto row had a draft)."""
         auto = [r.cfg.draft_width == "auto" and getattr(r.state, "traj", None) is None for r in rows]
         if not any(a and r.draft for a, r in zip(auto, rows)):
             return None
@@ -231,8 +232,7 @@ class BatchSession:
             if a and w < len(r.draft):
                 r.draft = r.draft[:w]
                 r.cands = [c[:w] for c in r.cands] if w else []
-        return cost.seconds(len(rows), max(1 + len(r.draft) + (sum(map(len, r.cands)) if tree else 0)
-                                           for r in rows))
+        return cost
 
     def _arrange(self, seqs: list[list[int]]) -> int:
         """Split the step into two forwards when rows forward very different numbers of tokens (e.g. AR
