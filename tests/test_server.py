@@ -351,3 +351,37 @@ def test_run_text_server_script_arguments():
     assert p.returncode == 2 and "TP must be a positive integer, got 'mr'" in p.stderr
     p = run("/ck", "1", "http")
     assert p.returncode == 2 and "PORT must be an integer" in p.stderr
+
+
+def test_running_gauge_drops_before_the_result_is_handed_back(srv):
+    """A finished request has left ``vllm:num_requests_running`` when its result reaches the client (the gauge was
+    set after the hand-over, so a client reading /metrics right after its response could still see it running)."""
+    import asyncio
+
+    from megatron_jf.inference.engine import DecodeConfig
+    from megatron_jf.inference.sampling import SamplingParams
+    from megatron_jf.server.metrics import Metrics
+    from megatron_jf.server.scheduler import GenRequest, Scheduler
+
+    metrics = Metrics("gauge")
+    sched = Scheduler(srv.engine, srv.tok.decode, metrics=metrics, max_batch=4, max_queue=4, batch_wait_s=0)
+    seen = []
+
+    class Probe(GenRequest):
+        def _emit(self, kind, payload):
+            if kind == "done":
+                seen.append(metrics._running.labels("gauge")._value.get())
+
+    reqs = [Probe(prompt=srv.tok.encode(p), max_tokens=4 + i, config=DecodeConfig("ar"), sampling=SamplingParams(),
+                  loop=asyncio.new_event_loop(), queue=None) for i, p in enumerate(["The quick", "hi there"])]
+    try:
+        for r in reqs:
+            sched.submit(r)
+        t0 = time.time()
+        while len(seen) < len(reqs) and time.time() - t0 < 30:
+            time.sleep(0.01)
+    finally:
+        sched.shutdown()
+    assert len(seen) == len(reqs)
+    # each request is already out of the running gauge when its own result is emitted
+    assert seen[-1] == 0 and all(v <= len(reqs) - 1 for v in seen), seen

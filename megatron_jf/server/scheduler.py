@@ -283,8 +283,13 @@ class Scheduler:
             if self.metrics is not None and rows:
                 self.metrics.step_done(rows)
             t = time.perf_counter()
-            for k, res in done:
-                r = self._live.pop(k)
+            # the finished rows leave the running gauge before any of them is handed back: a client that reads
+            # /metrics after its response sees its request no longer running
+            with self._cv:
+                finished = [(self._live.pop(k), res) for k, res in done]
+                if done:
+                    self._gauges()
+            for r, res in finished:
                 r.finished = t
                 res.queue_s = (r.started or r.submitted) - r.submitted
                 if self.metrics is not None:
@@ -292,9 +297,6 @@ class Scheduler:
                                                  None if r.first_token is None else r.first_token - r.submitted)
                 if not r.cancelled:
                     r._emit("done", res)
-            if done:
-                with self._cv:
-                    self._gauges()
         for r in leftover:
             r._emit("error", SchedulerStoppedError("the server is shutting down"))
         self._bcast(None)
