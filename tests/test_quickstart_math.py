@@ -101,6 +101,8 @@ def test_quality_counts_answers_and_steps():
     texts = {1: " 3*2=6 so 6+1=7\n#### 7", 2: " 5-1=3\n#### 3", 3: " no steps\n#### 10"}
     q = quality(outs, ["7", "4", "10"], lambda t: texts[t[0]])["m"]
     assert q == {"accuracy": 2 / 3, "correct": 2, "problems": 3, "step_accuracy": 2 / 3, "steps": 3}
+    # no step anywhere: nothing to score, and None rather than NaN (report.json is read as strict JSON)
+    assert quality(outs, ["7", "4", "10"], lambda t: " #### 1")["m"]["step_accuracy"] is None
 
 
 def test_answer_nll_equals_transformers_on_the_answer_tokens(mp1):
@@ -143,3 +145,37 @@ def test_command_line_selects_the_math_preset():
     assert P.PRESETS[P.preset_name(ap.parse_args(["--math"]))].math
     with pytest.raises(SystemExit):
         ap.parse_args(["--math", "--smoke"])
+
+
+def test_math_pipeline_end_to_end(tmp_path):
+    """``--math`` at tiny sizes, every stage run for real (corpus, pretraining, trajectories, one JF round, report):
+    report.json is strict JSON and holds the math domain's figures for both models -- exact answers over the held-out
+    problems, Jacobi TPF on held-out templates, noisy-token accuracy on the same base trajectories -- with every
+    decoder's output equal to AR."""
+    pre = replace(P.PRESETS["math"], hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, max_pos=640, pretrain_steps=20,
+                  pretrain_mbs=4, n_pretrain_problems=200, n_train_prompts=16, n_eval_prompts=8,
+                  n_eval_template_prompts=4, heldout_templates=5, vocab_size=300, response_tokens=48, collect_batch=8,
+                  collect_procs=1, jf1_steps=6, jf_mbs=2, eval_block_sizes=(8, 16), timing_prompts=1, timing_rounds=1,
+                  fit_prompts=2, noisy_prompts=2, nll_chunks=4, threads=1, precision="fp32", repetition_filter=False)
+    out = tmp_path / "math"
+    P.Pipeline(out, pre, log=lambda *a: None).execute(None)
+
+    def refuse(c):
+        raise AssertionError(f"report.json holds {c}: not strict JSON")
+
+    rep = json.loads((out / "report" / "report.json").read_text(), parse_constant=refuse)
+    labels = {"base", "JF round 1"}
+    assert set(rep["math_quality"]) == labels
+    for q in rep["math_quality"].values():
+        assert q["problems"] == 8 and q["accuracy"] == q["correct"] / 8
+        assert (q["step_accuracy"] is None) == (q["steps"] == 0)
+    assert set(rep["template_tpf"]) == labels and all(v >= 1.0 for v in rep["template_tpf"].values())
+    noisy = rep["noisy_accuracy"]
+    assert set(noisy) == labels and noisy["base"]["states"] == noisy["JF round 1"]["states"] > 0
+    assert {r["model"] for r in rep["rows"]} == labels and all(r["lossless"] for r in rep["rows"])
+    jf = {r["decoder"].split(" ")[0]: r for r in rep["rows"] if r["model"] == "JF round 1"}
+    assert {"AR", "Jacobi", "MR"} <= set(jf) and all(r["tpf"] >= 1.0 for r in jf.values())
+    # the JF round trained on the collected trajectories, from the base: its held-out NLL moved
+    base_nll = next(r["nll"] for r in rep["rows"] if r["model"] == "base")
+    assert jf["AR"]["nll"] != base_nll
+    assert "Math domain" in (out / "report" / "report.md").read_text()

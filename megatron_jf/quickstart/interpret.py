@@ -81,6 +81,10 @@ def math_targets(summary: dict, base: str, final: str, flagged: dict | None = No
         out.append(f"On held-out templates (never trained on): {tt[base]:.2f} -> {tt[final]:.2f} "
                    f"({tt[final] - tt[base]:+.2f}).")
     for key, what in (("accuracy", "Exact answers"), ("step_accuracy", "Arithmetically right steps")):
+        if key == "step_accuracy" and not (q[base].get("steps") and q[final].get("steps")):
+            out.append(f"{what}: not scored (no `a op b = c` step in the greedy answers of "
+                       f"{' and '.join(m for m in pair if not q[m].get('steps'))}).")
+            continue
         d = q[final][key] - q[base][key]
         out.append(f"{what} {100 * q[base][key]:.1f}% -> {100 * q[final][key]:.1f}% ({100 * d:+.1f} points): target "
                    f"at most {100 * TARGET_ACCURACY_DELTA:.0f} points below base "

@@ -117,7 +117,8 @@ def stage_prompts(pipe) -> dict:
 
 
 def quality(outputs: dict, answers: list[str], decode) -> dict:
-    """Per model: ``{"accuracy", "correct", "step_accuracy", "steps"}`` of its greedy outputs on the held-out problems.
+    """Per model: ``{"accuracy", "correct", "step_accuracy", "steps"}`` of its greedy outputs on the held-out problems
+    (``step_accuracy`` is None when the outputs hold no ``a op b = c`` step: report.json stays strict JSON).
 
     Args:
         outputs: model label -> token ids per problem (the greedy AR outputs, in ``answers``' order).
@@ -133,5 +134,5 @@ def quality(outputs: dict, answers: list[str], decode) -> dict:
         steps = [arithmetic_steps(t) for t in texts]
         right, total = sum(r for r, _ in steps), sum(t for _, t in steps)
         out[label] = {"accuracy": correct / max(len(texts), 1), "correct": correct, "problems": len(texts),
-                      "step_accuracy": right / total if total else float("nan"), "steps": total}
+                      "step_accuracy": right / total if total else None, "steps": total}
     return out
