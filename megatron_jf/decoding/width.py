@@ -286,9 +286,9 @@ MARGIN = 0.05
 
 
 def choose_widths(cost: ForwardCost, rows: Sequence[RowDraft], overhead_s: float = 0.0,
-                  margin: float = MARGIN, draft_penalty: float = 1.0) -> list[int]:
+                  margin: float = MARGIN, draft_overhead_s: float | None = None) -> list[int]:
     """Draft tokens each row forwards this step: the width ``W`` maximising expected tokens per second of one
-    padded forward, ``sum_r (1 + E_r(min(W, ceiling_r))) / (cost.seconds(len(rows), s(W)) + overhead_s)``,
+    padded step, ``sum_r (1 + E_r(min(W, ceiling_r))) / (cost.seconds(len(rows), s(W)) + overhead)``,
     with ``s(W)`` the longest row's ``1 + min(W, ceiling_r) + sum(min(W, branch))`` (fixed rows: their whole
     draft and branches). Rows are padded to the longest, so every auto row drafts ``min(W, ceiling_r)``; ``W = 0``
     is plain AR, and a ``W > 0`` whose forward costs more than AR's must beat it by ``margin``. Ties go to the wider
@@ -297,10 +297,11 @@ def choose_widths(cost: ForwardCost, rows: Sequence[RowDraft], overhead_s: float
     Args:
         cost: the forward's cost table.
         rows: one :class:`RowDraft` per row of the forward.
-        overhead_s: seconds each step costs besides the forward (the same whatever the width).
+        overhead_s: seconds an AR step (a forward of one token per row) costs besides the table's forward.
         margin: the fraction by which drafting must beat AR (:data:`MARGIN`).
-        draft_penalty: factor on the table's cost of a drafting forward (``W > 0``) relative to an AR one:
-            :meth:`StepCalibration.penalty`, what the engine's steps measured against the table (1: the table).
+        draft_overhead_s: seconds a drafting step (``s > 1``) costs besides the table's forward -- verification,
+            MR's second pass, the n-gram pool (None: ``overhead_s``). :meth:`StepCalibration.overheads` gives both
+            from the engine's own steps. A step is never priced below a quarter of its table forward.
 
     Returns:
         one width per row, ``0 <= width <= len(row.probs)``.
@@ -324,7 +325,9 @@ def choose_widths(cost: ForwardCost, rows: Sequence[RowDraft], overhead_s: float
             w = min(W, len(r.probs))
             tokens += 1 + e[w]
             s = max(s, 1 + w + sum(min(W, x) for x in r.branches))
-        seconds = cost.seconds(b, s) * (draft_penalty if W else 1.0) + overhead_s
+        fwd = cost.seconds(b, s)
+        extra = overhead_s if s == 1 or draft_overhead_s is None else draft_overhead_s
+        seconds = max(fwd + extra, 0.25 * fwd)
         rate = tokens / seconds
         if best is None:  # W = 0: plain AR (or the fixed rows' forward)
             best_w, best, ar_seconds = W, rate, seconds
@@ -335,25 +338,30 @@ def choose_widths(cost: ForwardCost, rows: Sequence[RowDraft], overhead_s: float
 
 
 class StepCalibration:
-    """What whole engine steps cost against the cost table's forward, per row count: the table times one forward
-    alone; a drafting step also runs the verification, MR's second (pruned) pass, the n-gram pool, padding to the
-    longest row -- costs the table cannot see and that grow with the batch. Each step records its observed seconds
-    over the table's prediction, separately for steps that drafted and AR steps (exponential moving averages, weight
-    :attr:`alpha`; row counts bucketed by powers of two, :meth:`bucket`); :meth:`penalty` is their ratio, the factor
-    :func:`choose_widths` puts on a drafting forward. Not from the paper (its widths are fixed, chosen offline in
-    Appendix E): this is issue 33's on-line choice. Only costs are calibrated here, never acceptance (that is
-    :class:`AcceptanceStats`'), so a penalty learnt from drafting steps stays right while drafting is off.
+    """What whole engine steps cost besides the cost table's forward, per row count: the table times one forward
+    alone; every step also runs the engine's Python, argmax and KV bookkeeping, and a drafting step the
+    verification, MR's second (pruned) pass and its pool -- costs the table cannot see. For a small model they can
+    be as large as the forward itself, and they are paid by AR steps too, so they make a wide forward relatively
+    cheaper: a 17-token forward at 2x a 1-token one is a 1.3x step when each step carries one forward's worth of
+    overhead. Each step records its observed seconds minus the table's prediction, separately for steps that drafted
+    and AR steps (exponential moving averages, weight :attr:`alpha`, each sample clamped to :attr:`bounds` times the
+    prediction; row counts bucketed by powers of two, :meth:`bucket`); :meth:`overheads` gives both, the additive
+    terms :func:`choose_widths` puts on each kind of step. A drafting step is never taken to cost less besides its
+    forward than an AR step (it runs the same step around a wider forward); until drafting steps have been seen it
+    is taken to cost the same, so a calibration learnt from AR steps alone can still start drafting. Not from the
+    paper (its widths are fixed, chosen offline in Appendix E): this is issue 33's on-line choice. Only costs are
+    calibrated here, never acceptance (that is :class:`AcceptanceStats`').
 
     Args:
         alpha: EMA weight of each new step.
-        min_steps: steps of each kind before the penalty departs from 1.
-        bounds: the penalty's clamp ``(low, high)`` (a drafting step never costs less than the table says relative
-            to an AR step: it runs the same step around a wider forward).
+        min_steps: steps of a kind before its overhead departs from the default (AR: 0; drafting: AR's).
+        bounds: each step's observed-over-predicted ratio is clamped to ``(low, high)`` before it is recorded (one
+            step that waited for a shared core must not set the overhead).
     """
 
-    def __init__(self, alpha: float = 0.1, min_steps: int = 3, bounds: tuple[float, float] = (1.0, 4.0)):
+    def __init__(self, alpha: float = 0.1, min_steps: int = 3, bounds: tuple[float, float] = (0.5, 4.0)):
         self.alpha, self.min_steps, self.bounds = alpha, min_steps, bounds
-        self._ratio: dict[tuple[int, bool], float] = {}
+        self._extra: dict[tuple[int, bool], float] = {}
         self._count: dict[tuple[int, bool], int] = {}
 
     @staticmethod
@@ -367,10 +375,11 @@ class StepCalibration:
         table predicted at ``predicted_s`` and which took ``observed_s`` seconds (both > 0, else ignored)."""
         if predicted_s <= 0 or observed_s <= 0:
             return
+        lo, hi = self.bounds
         k = (self.bucket(rows), drafted)
-        r = observed_s / predicted_s
+        x = min(hi * predicted_s, max(lo * predicted_s, observed_s)) - predicted_s
         n = self._count.get(k, 0)
-        self._ratio[k] = r if n == 0 else (1 - self.alpha) * self._ratio[k] + self.alpha * r
+        self._extra[k] = x if n == 0 else (1 - self.alpha) * self._extra[k] + self.alpha * x
         self._count[k] = n + 1
 
     @property
@@ -378,11 +387,11 @@ class StepCalibration:
         """Steps recorded so far (all row counts, both kinds)."""
         return sum(self._count.values())
 
-    def penalty(self, rows: int) -> float:
-        """Observed-over-table of drafting steps divided by that of AR steps at ``rows`` rows (1 until each kind
-        has :attr:`min_steps` steps), clamped to :attr:`bounds`."""
-        d, a = (self.bucket(rows), True), (self.bucket(rows), False)
-        if min(self._count.get(d, 0), self._count.get(a, 0)) < self.min_steps:
-            return 1.0
-        lo, hi = self.bounds
-        return min(hi, max(lo, self._ratio[d] / self._ratio[a]))
+    def overheads(self, rows: int) -> tuple[float, float]:
+        """``(AR step, drafting step)`` seconds beyond the table's forward at ``rows`` rows: AR's is 0 until
+        :attr:`min_steps` AR steps were seen; drafting's is AR's until as many drafting steps were, and never
+        below it."""
+        b = self.bucket(rows)
+        ar = self._extra[(b, False)] if self._count.get((b, False), 0) >= self.min_steps else 0.0
+        d = self._extra[(b, True)] if self._count.get((b, True), 0) >= self.min_steps else ar
+        return ar, max(ar, d)

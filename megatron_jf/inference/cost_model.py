@@ -127,12 +127,15 @@ def _tp_group():
     return ps.get_tensor_model_parallel_group()
 
 
-def _agreed(seconds: float) -> float:
-    """The slowest tensor-parallel rank's time (every rank then takes the same decisions); the time itself at TP=1."""
+def agreed_seconds(seconds: float) -> float:
+    """The slowest tensor-parallel rank's time (every rank then takes the same decisions: the cost table here, each
+    step's calibration in :class:`~megatron_jf.inference.session.BatchSession`); the time itself at TP=1. One
+    all-reduce over the TP group (on the current CUDA device where the group is NCCL's)."""
     group = _tp_group()
     if group is None:
         return seconds
-    t = torch.tensor([seconds], dtype=torch.float64)
+    nccl = torch.distributed.get_backend(group) == "nccl"
+    t = torch.tensor([seconds], dtype=torch.float64, device=torch.cuda.current_device() if nccl else "cpu")
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
     return float(t)
 
@@ -168,7 +171,7 @@ def measure_rows(runner, rows: int, max_tokens: int, *, context: int = CONTEXT, 
         t0 = time.perf_counter()
         runner.decode(0, rows, seqs, [context - 1] * rows, [s] * rows, [[]] * rows, tree=False)
         synchronize(runner.device)
-        return _agreed(time.perf_counter() - t0)
+        return agreed_seconds(time.perf_counter() - t0)
 
     try:
         once(1)  # warm-ups: first-call allocations, the lean forward's weight copies, CUDA graph capture
@@ -183,7 +186,7 @@ def measure_rows(runner, rows: int, max_tokens: int, *, context: int = CONTEXT, 
 
         for s in grid:  # the first pass decides how far the curve goes
             point(s)
-            spent = _agreed(time.perf_counter() - start)
+            spent = agreed_seconds(time.perf_counter() - start)
             if len(times) >= 4 and (times[s] > STOP_RATIO * times[1] or spent > budget_s):
                 break
         for _ in range(reps - 1):  # then whole passes again, each point's fastest time kept

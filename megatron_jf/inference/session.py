@@ -26,7 +26,7 @@ import torch
 
 from megatron_jf.decoding import DecodeConfig, Outcome, accepted_prefix, forward_width, policy_for
 from megatron_jf.decoding.width import ForwardCost, RowDraft, choose_widths
-from megatron_jf.inference import mr_verify
+from megatron_jf.inference import cost_model, mr_verify
 from megatron_jf.inference.results import GenerationResult
 from megatron_jf.inference.runner import ModelRunner
 from megatron_jf.inference.sampling import SamplingParams, argmax_list, verify
@@ -183,8 +183,8 @@ class BatchSession:
         for r in rows:
             r.decode_s += dt
         if cost is not None and self.engine.step_calibration is not None:  # the step against the table's forward
-            s = max(len(x) for x in seqs)
-            self.engine.step_calibration.record(m, s > 1, cost.seconds(m, s), dt)
+            s = max(len(x) for x in seqs)  # (the slowest TP rank's time: every rank must choose the same widths)
+            self.engine.step_calibration.record(m, s > 1, cost.seconds(m, s), cost_model.agreed_seconds(dt))
         if self.engine.check_invariants:
             for i, r in enumerate(rows):  # the cache holds prompt + emitted tokens, all but the newest one
                 want = len(r.prompt) + len(r.out) - 1
@@ -227,8 +227,8 @@ class BatchSession:
             branches = [len(c) for c in r.cands] if tree else ()
             probs = r.policy.draft_probs(r.state) if a else [0.0] * len(r.draft)
             specs.append(RowDraft(probs[: len(r.draft)], branches, fixed=not a))
-        penalty = calib.penalty(len(rows)) if calib is not None else 1.0
-        for r, a, w in zip(rows, auto, choose_widths(cost, specs, draft_penalty=penalty)):
+        ar_extra, draft_extra = calib.overheads(len(rows)) if calib is not None else (0.0, 0.0)
+        for r, a, w in zip(rows, auto, choose_widths(cost, specs, overhead_s=ar_extra, draft_overhead_s=draft_extra)):
             if a and w < len(r.draft):
                 r.draft = r.draft[:w]
                 r.cands = [c[:w] for c in r.cands] if w else []

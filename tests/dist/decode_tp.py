@@ -50,6 +50,27 @@ def main():
         ok = all(o.tokens == r for o, r in zip(out, ref))
         if parallel.is_rank0():
             print(f"DECODE {cfg.decoder} {'OK' if ok else 'MISMATCH'}", flush=True)
+    # ranks whose steps take different times keep the same step calibration (so they choose the same draft widths):
+    # rank 1's clock runs 3x fast in the session, its steps look 3x as long; both ranks record the slowest time
+    import time
+
+    import megatron_jf.inference.session as session
+
+    skew = 3.0 if ps.get_tensor_model_parallel_rank() == 1 else 1.0
+    session.time = type("SkewedClock", (), {"perf_counter": staticmethod(lambda: skew * time.perf_counter())})
+    try:
+        eng2 = Engine(m)
+        out = eng2.generate(prompts, DecodeConfig("mr", block_size=8, num_blocks=2), max_new_tokens=30)
+    finally:
+        session.time = time
+    cal = eng2.step_calibration
+    mine = torch.tensor([*cal.overheads(2), cal.steps], dtype=torch.float64)
+    both = [torch.zeros_like(mine) for _ in range(2)]
+    torch.distributed.all_gather(both, mine, group=ps.get_tensor_model_parallel_group())
+    ok = all(o.tokens == r for o, r in zip(out, ref)) and mine[2] > 0 and torch.equal(both[0], both[1])
+    if parallel.is_rank0():
+        print(f"DECODE skewed-clock calibration {both[0].tolist()} vs {both[1].tolist()} {'OK' if ok else 'MISMATCH'}",
+              flush=True)
     parallel.destroy()
 
 
