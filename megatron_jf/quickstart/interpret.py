@@ -77,9 +77,17 @@ def math_targets(summary: dict, base: str, final: str, flagged: dict | None = No
     out = [f"Held-out Jacobi TPF {b['tpf']:.2f} -> {f['tpf']:.2f} ({gain:+.2f}): target a gain >= {TARGET_TPF_GAIN} "
            f"{target_verdict(gain >= TARGET_TPF_GAIN, flagged, pair)}."]
     tt = summary.get("template_tpf") or {}
+    td = summary.get("template_distinct4") or {}
     if base in tt and final in tt:
-        out.append(f"On held-out templates (never trained on): {tt[base]:.2f} -> {tt[final]:.2f} "
-                   f"({tt[final] - tt[base]:+.2f}).")
+        line = (f"On held-out templates (never trained on): {tt[base]:.2f} -> {tt[final]:.2f} "
+                f"({tt[final] - tt[base]:+.2f})")
+        if td.get(base) and final in td:
+            drop = td[final] / td[base] - 1
+            line += f"; distinct-4 there {td[base]:.3f} -> {td[final]:.3f} ({100 * drop:+.1f} %)"
+            if drop < -TARGET_DISTINCT4_DROP:
+                line += (f", more than {100 * TARGET_DISTINCT4_DROP:.0f} % below base: the output there turned "
+                         "repetitive, so that TPF is not a decoding gain")
+        out.append(line + ".")
     for key, what in (("accuracy", "Exact answers"), ("step_accuracy", "Arithmetically right steps")):
         if key == "step_accuracy" and not (q[base].get("steps") and q[final].get("steps")):
             out.append(f"{what}: not scored (no `a op b = c` step in the greedy answers of "

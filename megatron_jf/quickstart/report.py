@@ -159,7 +159,7 @@ def build_report(pipe) -> dict:
         jacobi_tpf[label] = res["jacobi_tpf"]
         if res.get("fit_tpf") is not None:
             fit_tpf[label] = res["fit_tpf"]
-        for key in ("template_tpf", "noisy_accuracy"):
+        for key in ("template_tpf", "template_distinct4", "noisy_accuracy"):
             if res.get(key) is not None:
                 extras.setdefault(key, {})[label] = res[key]
     # speedup vs the faster AR of the same model (this project's or transformers greedy), measured in the same run
@@ -195,7 +195,8 @@ def build_report(pipe) -> dict:
                "timing_prompts": min(p.timing_prompts, len(prompts)), "timing_rounds": p.timing_rounds,
                "response_tokens": R, "warnings": {m: w for m, w in warnings.items() if w}, "output_stats": stats,
                "fit_tpf": fit_tpf, "fit_prompts": len(fit), "n": n, "math_quality": math_quality,
-               "template_tpf": extras.get("template_tpf"), "template_prompts": len(template),
+               "template_tpf": extras.get("template_tpf"), "template_distinct4": extras.get("template_distinct4"),
+               "template_prompts": len(template),
                "noisy_accuracy": extras.get("noisy_accuracy"), "noisy_prompts": p.noisy_prompts if noisy_records else 0}
     extra_md = ""
     if getattr(p, "learning_curve", False):  # TPF and pass@1 at every saved checkpoint (learning_curve.py)
@@ -305,21 +306,23 @@ def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos, fit=(), templa
                             batch_size=len(prompts), reference=ref, **kw)
             curve[nb] = sweep.methods[name].tpf
     curve = {nb: curve[nb] for nb in p.eval_block_sizes}
-    fit_tpf = template_tpf = noisy = None
+    fit_tpf = template_tpf = template_d4 = noisy = None
     if fit:  # measure() adds the AR reference run and checks the Jacobi output against it
         name = f"jacobi n={p.report_n} (training prompts)"
         fit_tpf = measure(eng, fit, {name: DecodeConfig("jacobi", block_size=p.report_n, **PAPER)}, batch_size=len(fit),
                           **kw).methods[name].tpf
     if template:
         name = f"jacobi n={p.report_n} (held-out templates)"
-        template_tpf = measure(eng, template, {name: DecodeConfig("jacobi", block_size=p.report_n, **PAPER)},
-                               batch_size=len(template), **kw).methods[name].tpf
+        sweep = measure(eng, template, {name: DecodeConfig("jacobi", block_size=p.report_n, **PAPER)},
+                        batch_size=len(template), **kw)
+        # with the output's distinct-4: a model repeating itself on templates it never saw decodes at a high TPF
+        template_tpf, template_d4 = sweep.methods[name].tpf, distinct4(sweep.outputs)
     if noisy_records:
         from megatron_jf.eval.noisy_accuracy import noisy_accuracy
 
         noisy = noisy_accuracy(model, noisy_records, max_states_per_block=3).summary()
     return {"rows": rows, "curve": curve, "outputs": ref, "jacobi_tpf": jacobi_tpf, "fit_tpf": fit_tpf,
-            "template_tpf": template_tpf, "noisy_accuracy": noisy,
+            "template_tpf": template_tpf, "template_distinct4": template_d4, "noisy_accuracy": noisy,
             "tf_argmax": None if argmax is None else argmax.tolist()}
 
 
@@ -425,16 +428,18 @@ def _math_markdown(s) -> list[str]:
     problems and on held-out templates, and the noisy-token accuracy by distance on the base model's held-out
     trajectories (what Jacobi Forcing teaches, on data a change of the model's own output cannot simplify)."""
     mq, tt, na = s["math_quality"], s.get("template_tpf") or {}, s.get("noisy_accuracy") or {}
+    td = s.get("template_distinct4") or {}
     jac = {r["model"]: r["tpf"] for r in s["rows"] if r["decoder"].startswith("Jacobi")}
     mr = {r["model"]: r["tpf"] for r in s["rows"] if r["decoder"].startswith("MR")}
     keys = next((list(v) for v in na.values()), [])
     ks = [k for k in keys if k.startswith("acc_k")]
     out = ["", f"Math domain: exact answers (`#### N`) and arithmetically right `a op b = c` steps of the greedy answers "
            f"to the {s['eval_prompts']} held-out problems; Jacobi / MR TPF (n={s['n']}) on them and Jacobi TPF on "
-           f"{s.get('template_prompts', 0)} problems of templates held out from everything; noisy-token accuracy: "
+           f"{s.get('template_prompts', 0)} problems of templates held out from everything (with the distinct-4 of the "
+           f"greedy answers there); noisy-token accuracy: "
            f"argmax right at distance k after the first wrong draft token, on the base model's Jacobi trajectories of "
            f"{s.get('noisy_prompts', 0)} held-out problems (mean run: right tokens in a row from k=1).", "",
-           "| Model | exact answers | steps right | Jacobi TPF | MR TPF | held-out templates TPF | "
+           "| Model | exact answers | steps right | Jacobi TPF | MR TPF | held-out templates TPF (distinct-4) | "
            + " | ".join(k.replace("acc_k", "k=") for k in ks) + " | mean run |",
            "|---|---|---|---|---|---|" + "---|" * (len(ks) + 1)]
     for m, q in mq.items():
@@ -443,7 +448,7 @@ def _math_markdown(s) -> list[str]:
                    + (f"{100 * q['step_accuracy']:.1f}% of {q['steps']}" if q["steps"] else "- (no step)")
                    + f" | {jac.get(m, float('nan')):.2f} | "
                    f"{mr.get(m, float('nan')):.2f} | "
-                   + (f"{tt[m]:.2f}" if m in tt else "-") + " | "
+                   + (f"{tt[m]:.2f}" if m in tt else "-") + (f" ({td[m]:.3f})" if m in td else "") + " | "
                    + " | ".join(f"{n[k]:.3f}" if k in n else "-" for k in ks)
                    + f" | {n.get('mean_run', float('nan')):.2f} |")
     return out
