@@ -47,6 +47,7 @@ def serve(root: str, *, sched_kw=None, app_kw=None, default=None, engine=None) -
     import uvicorn
 
     from megatron_jf.checkpointing import load_model, tokenizer_path
+    from megatron_jf.decoding.width import ForwardCost
     from megatron_jf.inference.engine import DecodeConfig, Engine
     from megatron_jf.server.app import create_app
     from megatron_jf.server.metrics import Metrics
@@ -59,7 +60,9 @@ def serve(root: str, *, sched_kw=None, app_kw=None, default=None, engine=None) -
     s.ckpt = ckpt
     s.tok = load_tokenizer(tokenizer_path(ckpt))
     model, s.margs, _ = load_model(ckpt)
-    s.engine = engine or Engine(model)
+    # a given cost table (wide forwards free, no step calibration): the width choice of auto rows then depends on
+    # the tokens only, so a server run and its offline reference draft alike (their forwards are compared)
+    s.engine = engine or Engine(model, forward_cost=ForwardCost({1: {1: 1.0, 64: 1.0}}))
     s.metrics = Metrics("tiny")
     s.stop_ids = stop_token_ids(s.tok, s.margs, ckpt)
     s.sched = Scheduler(s.engine, s.tok.decode, metrics=s.metrics, **{"max_batch": 32, "max_queue": 64,

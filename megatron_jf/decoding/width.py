@@ -346,9 +346,10 @@ class StepCalibration:
     overhead. Each step records its observed seconds minus the table's prediction, separately for steps that drafted
     and AR steps (exponential moving averages, weight :attr:`alpha`, each sample clamped to :attr:`bounds` times the
     prediction; row counts bucketed by powers of two, :meth:`bucket`); :meth:`overheads` gives both, the additive
-    terms :func:`choose_widths` puts on each kind of step. A drafting step is never taken to cost less besides its
-    forward than an AR step (it runs the same step around a wider forward); until drafting steps have been seen it
-    is taken to cost the same, so a calibration learnt from AR steps alone can still start drafting. Not from the
+    terms :func:`choose_widths` puts on each kind of step. Until drafting steps have been seen a drafting step is
+    taken to carry AR's, so a calibration learnt from AR steps alone can still start drafting; once seen, its own
+    (which may be the smaller: a table measured while the machine was busy over-prices wide forwards, and the
+    steps then correct it). Not from the
     paper (its widths are fixed, chosen offline in Appendix E): this is issue 33's on-line choice. Only costs are
     calibrated here, never acceptance (that is :class:`AcceptanceStats`').
 
@@ -359,7 +360,7 @@ class StepCalibration:
             step that waited for a shared core must not set the overhead).
     """
 
-    def __init__(self, alpha: float = 0.1, min_steps: int = 3, bounds: tuple[float, float] = (0.5, 4.0)):
+    def __init__(self, alpha: float = 0.1, min_steps: int = 3, bounds: tuple[float, float] = (0.1, 4.0)):
         self.alpha, self.min_steps, self.bounds = alpha, min_steps, bounds
         self._extra: dict[tuple[int, bool], float] = {}
         self._count: dict[tuple[int, bool], int] = {}
@@ -388,10 +389,10 @@ class StepCalibration:
         return sum(self._count.values())
 
     def overheads(self, rows: int) -> tuple[float, float]:
-        """``(AR step, drafting step)`` seconds beyond the table's forward at ``rows`` rows: AR's is 0 until
-        :attr:`min_steps` AR steps were seen; drafting's is AR's until as many drafting steps were, and never
-        below it."""
+        """``(AR step, drafting step)`` seconds beyond the table's forward at ``rows`` rows (negative where the
+        steps ran faster than the table said): AR's is 0 until :attr:`min_steps` AR steps were seen; drafting's is
+        AR's until as many drafting steps were."""
         b = self.bucket(rows)
         ar = self._extra[(b, False)] if self._count.get((b, False), 0) >= self.min_steps else 0.0
         d = self._extra[(b, True)] if self._count.get((b, True), 0) >= self.min_steps else ar
-        return ar, max(ar, d)
+        return ar, d
