@@ -153,59 +153,52 @@ def test_jacobi_update_keeps_guesses_past_the_verified_part():
 
 def test_step_calibration_backs_off_when_drafting_steps_cost_more_than_the_table():
     """Batch 16 on this CPU: the table said a 2-token forward costs 1.1x a 1-token one, the drafting steps took 2x
-    their prediction (verification, MR's second pass, padding) while AR steps took what the table said: a drafting
-    step carries one forward's time beyond it and the width choice goes from drafting to AR; the same drafts on the table
-    alone still draft."""
+    their prediction (verification, MR's second pass, padding) while AR steps took 1x: the penalty is 2 and the
+    width choice goes from drafting to AR; the same drafts on the table alone still draft."""
     cost = _linear_cost(0.1, rows=(16,))
     rows = [RowDraft([0.5] * 4) for _ in range(16)]
     assert choose_widths(cost, rows) != [0] * 16
     cal = StepCalibration()
-    assert cal.overheads(16) == (0.0, 0.0)
-    for _ in range(5):  # the table's 16-row forwards: 16 s for 1 token per row, 17.6 s for 2
-        cal.record(16, False, 16.0, 16.0)
-        cal.record(16, True, 17.6, 35.2)
-    assert cal.overheads(16) == pytest.approx((0.0, 17.6)) and cal.overheads(1) == (0.0, 0.0)  # bucketed: 16-31
-    assert cal.overheads(20) == cal.overheads(16) and cal.overheads(32) == (0.0, 0.0)
-    ar, d = cal.overheads(16)
-    assert choose_widths(cost, rows, overhead_s=ar, draft_overhead_s=d) == [0] * 16
-
-
-def test_step_overhead_makes_a_wide_forward_pay():
-    """A small model on a CPU (the math quickstart's: a 1-token forward 1.9 ms, any 2-17-token one 3.3-3.7 ms): each
-    step also costs ~2x the 1-token forward in the engine around it, AR steps included. With drafts accepted at 0.3
-    per position the table alone says AR (1.43 tokens for 1.7x the time); the steps as measured say drafting
-    (1.43 tokens for 1.23x): the calibration learnt from AR steps alone starts drafting."""
-    cost = ForwardCost({1: {1: 1.0, 2: 1.7, 4: 1.7, 8: 1.7, 16: 1.7, 17: 1.8}})
-    rows = [RowDraft([0.3] * 16)]
-    assert choose_widths(cost, rows) == [0]
-    cal = StepCalibration(min_steps=3)
-    for _ in range(3):
-        cal.record(1, False, 1.0, 3.0)  # AR steps: 2 s beyond the forward; no drafting step seen yet
-    assert cal.overheads(1) == pytest.approx((2.0, 2.0))
-    ar, d = cal.overheads(1)
-    assert choose_widths(cost, rows, overhead_s=ar, draft_overhead_s=d)[0] > 0
-    # drafting steps then measured at 4 s beyond their forward: back to AR
-    for _ in range(30):
-        cal.record(1, True, 1.7, 5.7)
-    ar, d = cal.overheads(1)
-    assert d > 3.9 and choose_widths(cost, rows, overhead_s=ar, draft_overhead_s=d) == [0]
-    # a table measured on a busy machine priced wide forwards at 4x a 1-token one; the drafting steps ran at 1.2x
-    # the AR steps: the steps correct the table, and drafting goes on
-    busy = ForwardCost({1: {1: 1.0, 2: 4.0, 17: 4.0}})
-    assert choose_widths(busy, rows) == [0]
-    seen = StepCalibration(min_steps=1)
-    seen.record(1, False, 1.0, 1.0)
-    seen.record(1, True, 4.0, 1.2)
-    ar, d = seen.overheads(1)
-    assert (ar, d) == pytest.approx((0.0, -2.8)) and choose_widths(busy, rows, overhead_s=ar, draft_overhead_s=d)[0] > 0
-    # each step's ratio to the table is clamped (0.1x-4x), bad times ignored, and a step never priced below a
-    # quarter of its forward
+    assert cal.penalty(16) == 1.0
+    for _ in range(5):
+        cal.record(16, False, 1.0, 1.0)
+        cal.record(16, True, 1.1, 2.2)
+    assert cal.penalty(16) == pytest.approx(2.0) and cal.penalty(1) == 1.0  # per row count (bucketed: 16-31)
+    assert cal.penalty(20) == cal.penalty(16) and cal.penalty(32) == 1.0
+    assert choose_widths(cost, rows, draft_penalty=cal.penalty(16)) == [0] * 16
+    # too few steps of one kind: the table as it is; extreme ratios clamped; bad times ignored
     few = StepCalibration(min_steps=3)
+    few.record(4, True, 1.0, 9.0)
+    few.record(4, False, 1.0, 1.0)
+    assert few.penalty(4) == 1.0
     for _ in range(3):
-        few.record(4, False, 1.0, 100.0)
+        few.record(4, True, 1.0, 9.0)
+        few.record(4, False, 1.0, 1.0)
         few.record(4, False, 0.0, 1.0)
-    assert few.overheads(4) == pytest.approx((3.0, 3.0))
-    fast = StepCalibration(min_steps=1)
-    fast.record(1, False, 1.0, 0.01)
-    assert fast.overheads(1) == pytest.approx((-0.9, -0.9))
-    assert choose_widths(cost, rows, overhead_s=-5.0, draft_overhead_s=-5.0) == choose_widths(cost, rows)
+    assert few.penalty(4) == 4.0
+
+
+
+def test_step_calibration_outliers_and_lock_in():
+    """SmolLM2 at batch 1 (measured): the first drafting step, a first call, took 3.8x its prediction and the first
+    AR step 17x; an average seeded with such a step can price drafting out, after which no drafting step runs and
+    the penalty never moves. The median of the recent steps ignores first calls, and a penalty unrefreshed by
+    drafting steps for ``stale_steps`` AR steps falls back to 1 (the table alone) until drafting is measured anew."""
+    cal = StepCalibration(min_steps=3, stale_steps=10)
+    for obs in (0.832, 0.0433, 0.0419):
+        cal.record(1, False, 0.0481, obs)
+    for pred, obs in ((0.0977, 0.3667), (0.0876, 0.0931), (0.1089, 0.1150)):
+        cal.record(1, True, pred, obs)
+    assert cal.penalty(1) == pytest.approx((0.0931 / 0.0876) / (0.0433 / 0.0481))  # the medians
+    # drafting steps measured at 3x their forward: the penalty backs drafting off; 10 AR steps later it is stale
+    # and the table alone decides again, until one drafting step refreshes it
+    for _ in range(15):
+        cal.record(1, True, 0.08, 0.24)
+    p = cal.penalty(1)
+    assert p == pytest.approx(3 / (0.0433 / 0.0481))
+    for i in range(10):
+        assert cal.penalty(1) == pytest.approx(p), i
+        cal.record(1, False, 0.0481, 0.0433)
+    assert cal.penalty(1) == 1.0
+    cal.record(1, True, 0.08, 0.24)
+    assert cal.penalty(1) == pytest.approx(p)

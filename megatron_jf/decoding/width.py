@@ -286,9 +286,9 @@ MARGIN = 0.05
 
 
 def choose_widths(cost: ForwardCost, rows: Sequence[RowDraft], overhead_s: float = 0.0,
-                  margin: float = MARGIN, draft_overhead_s: float | None = None) -> list[int]:
+                  margin: float = MARGIN, draft_penalty: float = 1.0) -> list[int]:
     """Draft tokens each row forwards this step: the width ``W`` maximising expected tokens per second of one
-    padded step, ``sum_r (1 + E_r(min(W, ceiling_r))) / (cost.seconds(len(rows), s(W)) + overhead)``,
+    padded forward, ``sum_r (1 + E_r(min(W, ceiling_r))) / (cost.seconds(len(rows), s(W)) + overhead_s)``,
     with ``s(W)`` the longest row's ``1 + min(W, ceiling_r) + sum(min(W, branch))`` (fixed rows: their whole
     draft and branches). Rows are padded to the longest, so every auto row drafts ``min(W, ceiling_r)``; ``W = 0``
     is plain AR, and a ``W > 0`` whose forward costs more than AR's must beat it by ``margin``. Ties go to the wider
@@ -297,11 +297,10 @@ def choose_widths(cost: ForwardCost, rows: Sequence[RowDraft], overhead_s: float
     Args:
         cost: the forward's cost table.
         rows: one :class:`RowDraft` per row of the forward.
-        overhead_s: seconds an AR step (a forward of one token per row) costs besides the table's forward.
+        overhead_s: seconds each step costs besides the forward (the same whatever the width).
         margin: the fraction by which drafting must beat AR (:data:`MARGIN`).
-        draft_overhead_s: seconds a drafting step (``s > 1``) costs besides the table's forward -- verification,
-            MR's second pass, the n-gram pool (None: ``overhead_s``). :meth:`StepCalibration.overheads` gives both
-            from the engine's own steps. A step is never priced below a quarter of its table forward.
+        draft_penalty: factor on the table's cost of a drafting forward (``W > 0``) relative to an AR one:
+            :meth:`StepCalibration.penalty`, what the engine's steps measured against the table (1: the table).
 
     Returns:
         one width per row, ``0 <= width <= len(row.probs)``.
@@ -325,9 +324,7 @@ def choose_widths(cost: ForwardCost, rows: Sequence[RowDraft], overhead_s: float
             w = min(W, len(r.probs))
             tokens += 1 + e[w]
             s = max(s, 1 + w + sum(min(W, x) for x in r.branches))
-        fwd = cost.seconds(b, s)
-        extra = overhead_s if s == 1 or draft_overhead_s is None else draft_overhead_s
-        seconds = max(fwd + extra, 0.25 * fwd)
+        seconds = cost.seconds(b, s) * (draft_penalty if W else 1.0) + overhead_s
         rate = tokens / seconds
         if best is None:  # W = 0: plain AR (or the fixed rows' forward)
             best_w, best, ar_seconds = W, rate, seconds
@@ -338,32 +335,33 @@ def choose_widths(cost: ForwardCost, rows: Sequence[RowDraft], overhead_s: float
 
 
 class StepCalibration:
-    """What whole engine steps cost besides the cost table's forward, per row count: the table times one forward
-    alone; every step also runs the engine's Python, argmax and KV bookkeeping, and a drafting step the
-    verification, MR's second (pruned) pass and its pool -- costs the table cannot see. For a small model they can
-    be as large as the forward itself, and they are paid by AR steps too, so they make a wide forward relatively
-    cheaper: a 17-token forward at 2x a 1-token one is a 1.3x step when each step carries one forward's worth of
-    overhead. Each step records its observed seconds minus the table's prediction, separately for steps that drafted
-    and AR steps (exponential moving averages, weight :attr:`alpha`, each sample clamped to :attr:`bounds` times the
-    prediction; row counts bucketed by powers of two, :meth:`bucket`); :meth:`overheads` gives both, the additive
-    terms :func:`choose_widths` puts on each kind of step. Until drafting steps have been seen a drafting step is
-    taken to carry AR's, so a calibration learnt from AR steps alone can still start drafting; once seen, its own
-    (which may be the smaller: a table measured while the machine was busy over-prices wide forwards, and the
-    steps then correct it). Not from the
-    paper (its widths are fixed, chosen offline in Appendix E): this is issue 33's on-line choice. Only costs are
-    calibrated here, never acceptance (that is :class:`AcceptanceStats`').
+    """What whole engine steps cost against the cost table's forward, per row count: the table times one forward
+    alone; a drafting step also runs the verification, MR's second (pruned) pass, the n-gram pool, padding to the
+    longest row -- costs the table cannot see and that grow with the batch. Each step records its observed seconds
+    over the table's prediction, separately for steps that drafted and AR steps (row counts bucketed by powers of
+    two, :meth:`bucket`); :meth:`penalty` is the ratio of the two kinds' medians over their last :attr:`window`
+    steps, the factor :func:`choose_widths` puts on a drafting forward. A median, not an average: a first call's
+    allocations (SmolLM2's first drafting step took 3.8x its prediction, its first AR step 17x) or a step that
+    waited for a shared core must not set it. And a penalty that made every later step AR could never be corrected
+    by drafting steps, so once the last drafting step is :attr:`stale_steps` AR steps old the penalty is 1 again
+    until drafting steps are measured anew. Not from the paper (its widths are fixed, chosen offline in Appendix E):
+    this is issue 33's on-line choice. Only costs are calibrated here, never acceptance (that is
+    :class:`AcceptanceStats`').
 
     Args:
-        alpha: EMA weight of each new step.
-        min_steps: steps of a kind before its overhead departs from the default (AR: 0; drafting: AR's).
-        bounds: each step's observed-over-predicted ratio is clamped to ``(low, high)`` before it is recorded (one
-            step that waited for a shared core must not set the overhead).
+        window: steps of each kind the medians are taken over.
+        min_steps: steps of each kind before the penalty departs from 1.
+        bounds: the penalty's clamp ``(low, high)`` (a drafting step never costs less than the table says relative
+            to an AR step: it runs the same step around a wider forward).
+        stale_steps: AR steps after the last drafting step at which the penalty falls back to 1.
     """
 
-    def __init__(self, alpha: float = 0.1, min_steps: int = 3, bounds: tuple[float, float] = (0.1, 4.0)):
-        self.alpha, self.min_steps, self.bounds = alpha, min_steps, bounds
-        self._extra: dict[tuple[int, bool], float] = {}
+    def __init__(self, window: int = 15, min_steps: int = 3, bounds: tuple[float, float] = (1.0, 4.0),
+                 stale_steps: int = 64):
+        self.window, self.min_steps, self.bounds, self.stale_steps = window, min_steps, bounds, stale_steps
+        self._ratio: dict[tuple[int, bool], list[float]] = {}
         self._count: dict[tuple[int, bool], int] = {}
+        self._since_draft: dict[int, int] = {}
 
     @staticmethod
     def bucket(rows: int) -> int:
@@ -376,23 +374,32 @@ class StepCalibration:
         table predicted at ``predicted_s`` and which took ``observed_s`` seconds (both > 0, else ignored)."""
         if predicted_s <= 0 or observed_s <= 0:
             return
-        lo, hi = self.bounds
-        k = (self.bucket(rows), drafted)
-        x = min(hi * predicted_s, max(lo * predicted_s, observed_s)) - predicted_s
-        n = self._count.get(k, 0)
-        self._extra[k] = x if n == 0 else (1 - self.alpha) * self._extra[k] + self.alpha * x
-        self._count[k] = n + 1
+        b = self.bucket(rows)
+        xs = self._ratio.setdefault((b, drafted), [])
+        xs.append(observed_s / predicted_s)
+        del xs[: -self.window]
+        self._count[(b, drafted)] = self._count.get((b, drafted), 0) + 1
+        self._since_draft[b] = 0 if drafted else self._since_draft.get(b, 0) + 1
 
     @property
     def steps(self) -> int:
         """Steps recorded so far (all row counts, both kinds)."""
         return sum(self._count.values())
 
-    def overheads(self, rows: int) -> tuple[float, float]:
-        """``(AR step, drafting step)`` seconds beyond the table's forward at ``rows`` rows (negative where the
-        steps ran faster than the table said): AR's is 0 until :attr:`min_steps` AR steps were seen; drafting's is
-        AR's until as many drafting steps were."""
+    def _median(self, key: tuple[int, bool]) -> float:
+        xs = sorted(self._ratio[key])
+        m = len(xs) // 2
+        return xs[m] if len(xs) % 2 else 0.5 * (xs[m - 1] + xs[m])
+
+    def penalty(self, rows: int) -> float:
+        """Median observed-over-table of drafting steps divided by that of AR steps at ``rows`` rows (1 until each
+        kind has :attr:`min_steps` steps, and once the last drafting step is :attr:`stale_steps` AR steps old),
+        clamped to :attr:`bounds`."""
         b = self.bucket(rows)
-        ar = self._extra[(b, False)] if self._count.get((b, False), 0) >= self.min_steps else 0.0
-        d = self._extra[(b, True)] if self._count.get((b, True), 0) >= self.min_steps else ar
-        return ar, d
+        d, a = (b, True), (b, False)
+        if min(self._count.get(d, 0), self._count.get(a, 0)) < self.min_steps:
+            return 1.0
+        if self._since_draft.get(b, 0) >= self.stale_steps:
+            return 1.0
+        lo, hi = self.bounds
+        return min(hi, max(lo, self._median(d) / self._median(a)))

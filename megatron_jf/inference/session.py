@@ -227,8 +227,8 @@ class BatchSession:
             branches = [len(c) for c in r.cands] if tree else ()
             probs = r.policy.draft_probs(r.state) if a else [0.0] * len(r.draft)
             specs.append(RowDraft(probs[: len(r.draft)], branches, fixed=not a))
-        ar_extra, draft_extra = calib.overheads(len(rows)) if calib is not None else (0.0, 0.0)
-        for r, a, w in zip(rows, auto, choose_widths(cost, specs, overhead_s=ar_extra, draft_overhead_s=draft_extra)):
+        penalty = calib.penalty(len(rows)) if calib is not None else 1.0
+        for r, a, w in zip(rows, auto, choose_widths(cost, specs, draft_penalty=penalty)):
             if a and w < len(r.draft):
                 r.draft = r.draft[:w]
                 r.cands = [c[:w] for c in r.cands] if w else []

@@ -64,13 +64,12 @@ def main():
     finally:
         session.time = time
     cal = eng2.step_calibration
-    mine = torch.tensor([*cal.overheads(2), cal.steps], dtype=torch.float64)
-    both = [torch.zeros_like(mine) for _ in range(2)]
-    torch.distributed.all_gather(both, mine, group=ps.get_tensor_model_parallel_group())
-    ok = all(o.tokens == r for o, r in zip(out, ref)) and mine[2] > 0 and torch.equal(both[0], both[1])
+    mine = (cal.steps, sorted((k, [round(x, 9) for x in v]) for k, v in cal._ratio.items()))
+    both = [None, None]
+    torch.distributed.all_gather_object(both, mine, group=ps.get_tensor_model_parallel_group())
+    ok = all(o.tokens == r for o, r in zip(out, ref)) and mine[0] > 0 and both[0] == both[1]
     if parallel.is_rank0():
-        print(f"DECODE skewed-clock calibration {both[0].tolist()} vs {both[1].tolist()} {'OK' if ok else 'MISMATCH'}",
-              flush=True)
+        print(f"DECODE skewed-clock calibration ({both[0][0]} steps) {'OK' if ok else 'MISMATCH'}", flush=True)
     parallel.destroy()
 
 
