@@ -202,3 +202,21 @@ def test_step_calibration_outliers_and_lock_in():
     assert cal.penalty(1) == 1.0
     cal.record(1, True, 0.08, 0.24)
     assert cal.penalty(1) == pytest.approx(p)
+
+
+def test_step_calibration_backs_off_where_drafting_steps_emit_less_per_second():
+    """SmolLM2 at batch 16 (measured): steps that drafted cost what the table said relative to AR steps, yet emitted
+    fewer tokens per second than the AR steps (the acceptance estimates were high): the penalty goes to its ceiling.
+    The rate is a ratio of sums -- most drafting steps emit 1-2 tokens and a few many, and a median of per-step rates
+    would back off at batch 1 where drafting paid (1.25x AR)."""
+    cal = StepCalibration(min_steps=3)
+    for _ in range(5):
+        cal.record(16, False, 1.0, 1.0, tokens=16)  # 16 tokens/s
+        cal.record(16, True, 1.2, 1.2, tokens=18)  # 15 tokens/s: drafting loses
+    assert cal.penalty(16) == 4.0
+    pays = StepCalibration(min_steps=3)
+    for _ in range(4):
+        pays.record(1, False, 1.0, 1.0, tokens=1)
+    for t in (1, 1, 1, 8):  # per-step rates 0.6, 0.6, 0.6, 5 tokens/s: median 0.6 < 1, sum 11 / 6.4 s = 1.7 > 1
+        pays.record(1, True, 1.6, 1.6, tokens=t)
+    assert pays.penalty(1) == 1.0

@@ -360,6 +360,7 @@ class StepCalibration:
                  stale_steps: int = 64):
         self.window, self.min_steps, self.bounds, self.stale_steps = window, min_steps, bounds, stale_steps
         self._ratio: dict[tuple[int, bool], list[float]] = {}
+        self._rate: dict[tuple[int, bool], list[tuple[int, float]]] = {}
         self._count: dict[tuple[int, bool], int] = {}
         self._since_draft: dict[int, int] = {}
 
@@ -369,15 +370,20 @@ class StepCalibration:
         finish keeps what it learnt."""
         return max(1, rows).bit_length()
 
-    def record(self, rows: int, drafted: bool, predicted_s: float, observed_s: float) -> None:
+    def record(self, rows: int, drafted: bool, predicted_s: float, observed_s: float, tokens: int | None = None) -> None:
         """One step of ``rows`` rows, which ``drafted`` (any row forwarded draft tokens) or not, whose forward the
-        table predicted at ``predicted_s`` and which took ``observed_s`` seconds (both > 0, else ignored)."""
+        table predicted at ``predicted_s`` and which took ``observed_s`` seconds (both > 0, else ignored), emitting
+        ``tokens`` tokens over its rows (None: not counted)."""
         if predicted_s <= 0 or observed_s <= 0:
             return
         b = self.bucket(rows)
         xs = self._ratio.setdefault((b, drafted), [])
         xs.append(observed_s / predicted_s)
         del xs[: -self.window]
+        if tokens is not None:  # (a first call's seconds count at most bounds[1] x the prediction)
+            rs = self._rate.setdefault((b, drafted), [])
+            rs.append((tokens, min(observed_s, self.bounds[1] * predicted_s)))
+            del rs[: -self.window]
         self._count[(b, drafted)] = self._count.get((b, drafted), 0) + 1
         self._since_draft[b] = 0 if drafted else self._since_draft.get(b, 0) + 1
 
@@ -386,8 +392,9 @@ class StepCalibration:
         """Steps recorded so far (all row counts, both kinds)."""
         return sum(self._count.values())
 
-    def _median(self, key: tuple[int, bool]) -> float:
-        xs = sorted(self._ratio[key])
+    @staticmethod
+    def _mid(xs: list[float]) -> float:
+        xs = sorted(xs)
         m = len(xs) // 2
         return xs[m] if len(xs) % 2 else 0.5 * (xs[m - 1] + xs[m])
 
@@ -402,4 +409,13 @@ class StepCalibration:
         if self._since_draft.get(b, 0) >= self.stale_steps:
             return 1.0
         lo, hi = self.bounds
-        return min(hi, max(lo, self._median(d) / self._median(a)))
+        rd, ra = self._rate.get(d), self._rate.get(a)
+        if rd and ra and len(rd) >= self.min_steps and len(ra) >= self.min_steps and _rate(rd) < _rate(ra):
+            return hi  # the steps that drafted emitted fewer tokens per second than the AR steps: back off
+        return min(hi, max(lo, self._mid(self._ratio[d]) / self._mid(self._ratio[a])))
+
+
+def _rate(steps: list[tuple[int, float]]) -> float:
+    """Tokens per second over ``[(tokens, seconds), ...]`` (a ratio of sums: a drafting step's tokens vary from 1 to
+    the whole draft, and their median would undercount the steps that paid)."""
+    return sum(t for t, _ in steps) / sum(x for _, x in steps)
