@@ -344,7 +344,10 @@ class StepCalibration:
     allocations (SmolLM2's first drafting step took 3.8x its prediction, its first AR step 17x) or a step that
     waited for a shared core must not set it. And a penalty that made every later step AR could never be corrected
     by drafting steps, so once the last drafting step is :attr:`stale_steps` AR steps old the penalty is 1 again
-    until drafting steps are measured anew. Not from the paper (its widths are fixed, chosen offline in Appendix E):
+    until drafting steps are measured anew. Each step's emitted tokens are kept too: where the steps that drafted
+    emitted fewer tokens per second than the AR steps (a ratio of sums over the same windows), the penalty is its
+    ceiling -- the acceptance estimates were too high for this batch, whatever the table says. Not from the paper
+    (its widths are fixed, chosen offline in Appendix E):
     this is issue 33's on-line choice. Only costs are calibrated here, never acceptance (that is
     :class:`AcceptanceStats`').
 
