@@ -28,6 +28,7 @@ plugin's proposer has them too.
 from __future__ import annotations
 
 import bisect
+import statistics
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -338,32 +339,33 @@ class StepCalibration:
     """What whole engine steps cost against the cost table's forward, per row count: the table times one forward
     alone; a drafting step also runs the verification, MR's second (pruned) pass, the n-gram pool, padding to the
     longest row -- costs the table cannot see and that grow with the batch. Each step records its observed seconds
-    over the table's prediction, separately for steps that drafted and AR steps (row counts bucketed by powers of
-    two, :meth:`bucket`); :meth:`penalty` is the ratio of the two kinds' medians over their last :attr:`window`
-    steps, the factor :func:`choose_widths` puts on a drafting forward. A median, not an average: a first call's
-    allocations (SmolLM2's first drafting step took 3.8x its prediction, its first AR step 17x) or a step that
-    waited for a shared core must not set it. And a penalty that made every later step AR could never be corrected
-    by drafting steps, so once the last drafting step is :attr:`stale_steps` AR steps old the penalty is 1 again
-    until drafting steps are measured anew. Each step's emitted tokens are kept too: where the steps that drafted
-    emitted fewer tokens per second than the AR steps (a ratio of sums over the same windows), the penalty is its
-    ceiling -- the acceptance estimates were too high for this batch, whatever the table says. Not from the paper
-    (its widths are fixed, chosen offline in Appendix E):
-    this is issue 33's on-line choice. Only costs are calibrated here, never acceptance (that is
-    :class:`AcceptanceStats`').
+    over the table's prediction and the tokens it emitted, separately for steps that drafted and AR steps (row counts
+    bucketed by powers of two, :meth:`bucket`), in a window of each kind's last :attr:`window` steps.
+
+    :meth:`penalty`, the factor :func:`choose_widths` puts on a drafting forward, is the ratio of the two kinds'
+    median observed-over-table. A median, not an average: a first call's allocations (SmolLM2's first drafting step
+    took 3.8x its prediction, its first AR step 17x) or a step that waited for a shared core must not set it. Where
+    the steps that drafted emitted fewer tokens per second than the AR steps (a ratio of sums over the windows: a
+    drafting step emits anything from 1 token to its whole draft), the penalty is its ceiling -- the acceptance
+    estimates (:class:`AcceptanceStats`) were too high for this batch, whatever the table says. And since a penalty
+    that made every later step AR could never be corrected by drafting steps, once the last drafting step is
+    :attr:`stale_steps` AR steps old the penalty is 1 again until drafting steps are measured anew. Not from the
+    paper (its widths are fixed, chosen offline in Appendix E): this is issue 33's on-line choice.
 
     Args:
-        window: steps of each kind the medians are taken over.
+        window: steps of each kind the medians and rates are taken over.
         min_steps: steps of each kind before the penalty departs from 1.
         bounds: the penalty's clamp ``(low, high)`` (a drafting step never costs less than the table says relative
-            to an AR step: it runs the same step around a wider forward).
+            to an AR step: it runs the same step around a wider forward); a step's seconds count at most ``high``
+            times its prediction in the rates.
         stale_steps: AR steps after the last drafting step at which the penalty falls back to 1.
     """
 
     def __init__(self, window: int = 15, min_steps: int = 3, bounds: tuple[float, float] = (1.0, 4.0),
                  stale_steps: int = 64):
         self.window, self.min_steps, self.bounds, self.stale_steps = window, min_steps, bounds, stale_steps
-        self._ratio: dict[tuple[int, bool], list[float]] = {}
-        self._rate: dict[tuple[int, bool], list[tuple[int, float]]] = {}
+        # (bucket, drafted) -> the last `window` steps as (observed / predicted, tokens or None, seconds counted)
+        self._steps: dict[tuple[int, bool], list[tuple[float, int | None, float]]] = {}
         self._count: dict[tuple[int, bool], int] = {}
         self._since_draft: dict[int, int] = {}
 
@@ -376,35 +378,31 @@ class StepCalibration:
     def record(self, rows: int, drafted: bool, predicted_s: float, observed_s: float, tokens: int | None = None) -> None:
         """One step of ``rows`` rows, which ``drafted`` (any row forwarded draft tokens) or not, whose forward the
         table predicted at ``predicted_s`` and which took ``observed_s`` seconds (both > 0, else ignored), emitting
-        ``tokens`` tokens over its rows (None: not counted)."""
+        ``tokens`` tokens over its rows (None: not counted in the rates)."""
         if predicted_s <= 0 or observed_s <= 0:
             return
-        b = self.bucket(rows)
-        xs = self._ratio.setdefault((b, drafted), [])
-        xs.append(observed_s / predicted_s)
-        del xs[: -self.window]
-        if tokens is not None:  # (a first call's seconds count at most bounds[1] x the prediction)
-            rs = self._rate.setdefault((b, drafted), [])
-            rs.append((tokens, min(observed_s, self.bounds[1] * predicted_s)))
-            del rs[: -self.window]
-        self._count[(b, drafted)] = self._count.get((b, drafted), 0) + 1
-        self._since_draft[b] = 0 if drafted else self._since_draft.get(b, 0) + 1
+        key = (self.bucket(rows), drafted)
+        steps = self._steps.setdefault(key, [])
+        steps.append((observed_s / predicted_s, tokens, min(observed_s, self.bounds[1] * predicted_s)))
+        del steps[: -self.window]
+        self._count[key] = self._count.get(key, 0) + 1
+        self._since_draft[key[0]] = 0 if drafted else self._since_draft.get(key[0], 0) + 1
 
     @property
     def steps(self) -> int:
         """Steps recorded so far (all row counts, both kinds)."""
         return sum(self._count.values())
 
-    @staticmethod
-    def _mid(xs: list[float]) -> float:
-        xs = sorted(xs)
-        m = len(xs) // 2
-        return xs[m] if len(xs) % 2 else 0.5 * (xs[m - 1] + xs[m])
+    def _rate(self, key: tuple[int, bool]) -> float | None:
+        """Tokens per second over the window's steps that counted tokens (None below :attr:`min_steps` of them)."""
+        counted = [(t, x) for _, t, x in self._steps[key] if t is not None]
+        return sum(t for t, _ in counted) / sum(x for _, x in counted) if len(counted) >= self.min_steps else None
 
     def penalty(self, rows: int) -> float:
-        """Median observed-over-table of drafting steps divided by that of AR steps at ``rows`` rows (1 until each
-        kind has :attr:`min_steps` steps, and once the last drafting step is :attr:`stale_steps` AR steps old),
-        clamped to :attr:`bounds`."""
+        """The factor on a drafting forward at ``rows`` rows: median observed-over-table of drafting steps divided
+        by that of AR steps, clamped to :attr:`bounds`; the ceiling where drafting steps emitted fewer tokens per
+        second than AR steps; 1 until each kind has :attr:`min_steps` steps, and once the last drafting step is
+        :attr:`stale_steps` AR steps old."""
         b = self.bucket(rows)
         d, a = (b, True), (b, False)
         if min(self._count.get(d, 0), self._count.get(a, 0)) < self.min_steps:
@@ -412,13 +410,8 @@ class StepCalibration:
         if self._since_draft.get(b, 0) >= self.stale_steps:
             return 1.0
         lo, hi = self.bounds
-        rd, ra = self._rate.get(d), self._rate.get(a)
-        if rd and ra and len(rd) >= self.min_steps and len(ra) >= self.min_steps and _rate(rd) < _rate(ra):
+        rd, ra = self._rate(d), self._rate(a)
+        if rd is not None and ra is not None and rd < ra:
             return hi  # the steps that drafted emitted fewer tokens per second than the AR steps: back off
-        return min(hi, max(lo, self._mid(self._ratio[d]) / self._mid(self._ratio[a])))
-
-
-def _rate(steps: list[tuple[int, float]]) -> float:
-    """Tokens per second over ``[(tokens, seconds), ...]`` (a ratio of sums: a drafting step's tokens vary from 1 to
-    the whole draft, and their median would undercount the steps that paid)."""
-    return sum(t for t, _ in steps) / sum(x for _, x in steps)
+        ratio = statistics.median(r for r, _, _ in self._steps[d]) / statistics.median(r for r, _, _ in self._steps[a])
+        return min(hi, max(lo, ratio))

@@ -313,10 +313,10 @@ def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos, fit=(), templa
                           **kw).methods[name].tpf
     if template:
         name = f"jacobi n={p.report_n} (held-out templates)"
-        sweep = measure(eng, template, {name: DecodeConfig("jacobi", block_size=p.report_n, **PAPER)},
-                        batch_size=len(template), **kw)
+        tmpl = measure(eng, template, {name: DecodeConfig("jacobi", block_size=p.report_n, **PAPER)},
+                       batch_size=len(template), **kw)
         # with the output's distinct-4: a model repeating itself on templates it never saw decodes at a high TPF
-        template_tpf, template_d4 = sweep.methods[name].tpf, distinct4(sweep.outputs)
+        template_tpf, template_d4 = tmpl.methods[name].tpf, distinct4(tmpl.outputs)
     if noisy_records:
         from megatron_jf.eval.noisy_accuracy import noisy_accuracy
 
