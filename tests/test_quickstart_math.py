@@ -63,9 +63,9 @@ def test_recipe_options_reach_pretrain_jf(tmp_path, monkeypatch):
     pipe.out.mkdir(parents=True, exist_ok=True)
     np.save(pipe.path("tokens_gt_train.npy"), np.arange(10, dtype=np.int32))
     a, _ = _jf_args(pipe, monkeypatch)
-    # the preset's recipe: L_pc from the first unconverged token, states re-drawn each epoch, L_AR on the model's own
-    # output and on ground-truth answers (arm C of docs/results.md)
-    assert _flag(a, "--consistency-positions") == "from_first_diff" and "--resample-noise-per-epoch" in a
+    # the preset's recipe: L_pc from the first unconverged token, each record's noisy states drawn once, L_AR on the
+    # model's own output and on ground-truth answers (arm "C, fixed states" of docs/results.md)
+    assert _flag(a, "--consistency-positions") == "from_first_diff" and "--resample-noise-per-epoch" not in a
     assert float(_flag(a, "--ar-weight")) == 1 and float(_flag(a, "--anchor-weight")) == 1
     assert _flag(a, "--anchor-data") == str(pipe.path("tokens_gt_train.npy"))
     self_only = replace(pipe.p, ar_target="self")
@@ -84,10 +84,10 @@ def test_recipe_options_reach_pretrain_jf(tmp_path, monkeypatch):
         _jf_args(P.Pipeline(pipe.out, replace(gt, ar_target="gt"), log=lambda *x: None), monkeypatch)
     with pytest.raises(ValueError, match="corpus anchor"):
         _jf_args(P.Pipeline(pipe.out, replace(gt, anchor_weight=0.5), log=lambda *x: None), monkeypatch)
-    # the labelled alternatives: every offset, the same state every epoch
-    old = replace(pipe.p, consistency_positions="all", resample_noise=False)
+    # the labelled alternatives: every offset, states re-drawn every epoch
+    old = replace(pipe.p, consistency_positions="all", resample_noise=True)
     a, _ = _jf_args(P.Pipeline(pipe.out, old, log=lambda *x: None), monkeypatch)
-    assert _flag(a, "--consistency-positions") == "all" and "--resample-noise-per-epoch" not in a
+    assert _flag(a, "--consistency-positions") == "all" and "--resample-noise-per-epoch" in a
     # one round: the second round's stages do nothing
     a, out = _jf_args(pipe, monkeypatch, "jf2")
     assert a is None and "skipped" in out and "skipped" in pipe.stage_traj("traj2", "jf1", 32)
