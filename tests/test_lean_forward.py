@@ -44,13 +44,19 @@ def test_lean_equals_megatron_and_transformers_no_cache(pairs, name):
                                forward_logits(m, toks, pos2, allowed=allowed, impl="megatron"), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("packed_min", [0, 1 << 62], ids=["packed", "transposed"])
 @pytest.mark.parametrize("name", ["qwen2", "llama-tied"])
-def test_lean_equals_megatron_with_kv_cache_tree_mask_and_ragged_rows(pairs, name):
-    """Prefill (causal kernel), ragged committed lengths, a tree mask and a one-row step, both paths."""
+def test_lean_equals_megatron_with_kv_cache_tree_mask_and_ragged_rows(pairs, name, packed_min, monkeypatch):
+    """Prefill (causal kernel), ragged committed lengths, a tree mask and a one-row step, both paths; multi-row
+    products through the oneDNN-packed weight copies and through the transposed ones (small products)."""
+    from megatron_jf.inference import lean_forward
     from megatron_jf.inference.forward import forward_logits
     from megatron_jf.models.gpt import new_kv_cache
 
     hf, m = pairs[name]
+    monkeypatch.setattr(lean_forward, "PACKED_MIN_MACS", packed_min)
+    lf = lean_forward.lean_forward_for(m)
+    lf._wp.clear()
     prompt = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
     outs = {}
     for impl in ("lean", "megatron"):
@@ -68,6 +74,7 @@ def test_lean_equals_megatron_with_kv_cache_tree_mask_and_ragged_rows(pairs, nam
         outs[impl] = seq
     for a, b in zip(outs["lean"], outs["megatron"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert bool(lf._wp) == (packed_min == 0 and lf.packed)  # the products went the way the threshold says
     # the last one-row step of row 0 equals transformers on the committed sequence: prompt, tokens 0, 3, 4, 13
     full = torch.cat([prompt[0], torch.tensor([1, 4, 5, 13])])[None]
     ref = hf(full, position_ids=torch.tensor([list(range(9)) + [9, 10, 11, 12]])).logits[0, -1]

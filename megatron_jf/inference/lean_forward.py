@@ -73,6 +73,13 @@ def supports(model) -> bool:
     return isinstance(model.decoder.final_layernorm, torch.nn.RMSNorm)
 
 
+#: Multi-row products with fewer multiply-adds (rows x out x in) than this skip the oneDNN-packed weight copy: its
+#: call costs ~10-15 us more than MKL's sgemm, which is more than it saves on a small product (one thread, AVX-512
+#: EPYC, cache-resident weights: a 2-token product through a 384 x 256 weight took 23 us packed and 9 us through the
+#: transposed copy; 1 M multiply-adds and up, packed was as fast or faster at every shape measured).
+PACKED_MIN_MACS = 1 << 19
+
+
 class _Layer:
     __slots__ = ("ln1", "eps1", "qkv_w", "qkv_b", "proj_w", "ln2", "eps2", "fc1_w", "fc2_w", "names")
 
@@ -140,7 +147,9 @@ class LeanForward:
         copy packed for it (:func:`_onednn_packing_works`; ``MEGATRON_JF_LEAN_PACKED=0``: ``F.linear``): MKL's
         sgemm reads ``W`` slowly for a few rows, so a 2-8 token forward of SmolLM2-135M took 1.8-2.6x a one-token
         one; packed, 1.05-1.3x (AVX-512 EPYC, one thread), and batch-16 AR steps take 0.65x the time. A second
-        extra copy of those weights.
+        extra copy of those weights. oneDNN's call costs ~10-15 us more than MKL's, so products below
+        :data:`PACKED_MIN_MACS` multiply-adds (a 2-4 token draft through a 256-hidden model's weights) use the
+        transposed copy as one-row products do.
         """
         if self.emb.weight.device.type != "cpu":
             return set()
@@ -159,7 +168,8 @@ class LeanForward:
         if name not in self.gemv_transposed:
             return F.linear(x, w, bias)
         key = (w._version, w.data_ptr(), w.dtype)
-        if x.numel() != x.shape[-1]:  # several rows: the oneDNN-packed copy
+        rows = x.numel() // x.shape[-1]
+        if rows > 1 and rows * w.numel() >= PACKED_MIN_MACS:  # several rows of a large product: the packed copy
             if not self.packed or x.dtype != w.dtype or torch.is_autocast_enabled("cpu"):
                 return F.linear(x, w, bias)
             hit = self._wp.get(name)
