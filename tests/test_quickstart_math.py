@@ -175,7 +175,7 @@ def test_math_pipeline_end_to_end(tmp_path):
     assert set(noisy) == labels and noisy["base"]["states"] == noisy["JF round 1"]["states"] > 0
     assert {r["model"] for r in rep["rows"]} == labels and all(r["lossless"] for r in rep["rows"])
     jf = {r["decoder"].split(" ")[0]: r for r in rep["rows"] if r["model"] == "JF round 1"}
-    assert {"AR", "Jacobi", "MR"} <= set(jf) and all(r["tpf"] >= 1.0 for r in jf.values())
+    assert {"AR", "Jacobi", "MR", "default"} <= set(jf) and all(r["tpf"] >= 1.0 for r in jf.values())
     # the JF round trained on the collected trajectories, from the base: its held-out NLL moved
     base_nll = next(r["nll"] for r in rep["rows"] if r["model"] == "base")
     assert jf["AR"]["nll"] != base_nll
