@@ -2,7 +2,7 @@
 """Decoding benchmark: every decoder side by side in one run (interleaved rounds), on any checkpoint.
 
     python bench/decode.py                                              # a built-in tiny peaked model (seconds)
-    python bench/decode.py --load runs/quickstart-default/jf2 --prompts runs/quickstart-default/prompts_eval.jsonl
+    python bench/decode.py --load runs/quickstart-default/jf1 --prompts runs/quickstart-default/prompts_eval.jsonl
     python bench/decode.py --smollm2 --humaneval --batches 1,16 --rounds 3 --dtypes fp32,bf16
     python bench/decode.py --hf DIR --humaneval                          # a Hugging Face model directory
 

@@ -3,7 +3,7 @@
 
     python bench/decode_vs_hf.py                       # SmolLM2-135M-Instruct + the tiny model, 4 prompts x 128
     python bench/decode_vs_hf.py --models smollm2 --num-prompts 2 --max-new-tokens 64
-    python bench/decode_vs_hf.py --models tiny --tiny runs/quickstart-default/jf2
+    python bench/decode_vs_hf.py --models tiny --tiny runs/quickstart-default/jf1
     python bench/decode_vs_hf.py --profile             # + torch.profiler top ops of one AR generation each
     MEGATRON_JF_LEAN_FORWARD=0 python bench/decode_vs_hf.py   # the megatron-core forward (before issue 14)
 

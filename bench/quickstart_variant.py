@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""Quickstart preset variants: what a change to model A's corpus, size or pretraining buys (issue 25 item 7).
+"""Quickstart preset variants: what a change to the code-domain model's corpus, size or pretraining buys (issue 25
+item 7; that model was the default model A until 2026-12, now ``--code``).
 
-Runs the quickstart pipeline with the default preset changed by ``key=value`` pairs (any :class:`Preset` field) up
+Runs the quickstart pipeline with the code preset changed by ``key=value`` pairs (any :class:`Preset` field) up
 to ``--until`` (resumable, like the pipeline), then measures the checkpoints named by ``--measure`` the way the report
 does: held-out NLL (nats/token), greedy distinct-2 of the evaluation prompts' continuations (mean per completion;
 below 0.1 the report flags the model degenerate), Jacobi TPF at n=32 with its output checked equal to greedy AR, and
@@ -10,7 +11,7 @@ how many of the round-1 trajectories the repetition filter would keep (``--real`
     python bench/quickstart_variant.py --out runs/variant-v1 --until prompts \\
         corpus=packages:httpx,uvicorn,tqdm,webdataset,prometheus_client,einops,rich,fastapi,gguf \\
         vocab_size=2048 pretrain_steps=480 pretrain_lr=0.003
-    python bench/quickstart_variant.py --out runs/quickstart-default --until prompts   # the default as it is
+    python bench/quickstart_variant.py --out runs/quickstart-code --until prompts   # the code preset as it is
 
 Prints one JSON line per measured checkpoint (``RESULT {...}``) and writes them to ``OUT/variant.json``. Measured
 here: ``docs/results.md`` ("Model A: base-model variants").
@@ -30,7 +31,7 @@ from pathlib import Path
 def _parse_overrides(pairs: list[str]) -> dict:
     from megatron_jf.quickstart.pipeline import PRESETS, Preset
 
-    types = {f.name: type(getattr(PRESETS["default"], f.name)) for f in fields(Preset)}
+    types = {f.name: type(getattr(PRESETS["code"], f.name)) for f in fields(Preset)}
     types = {k: float if t is type(None) else t for k, t in types.items() if t in (int, float, str, bool, type(None))}
     out = {}
     for pair in pairs:
@@ -82,7 +83,7 @@ def measure(out: Path, ckpt: str, response_tokens: int, nll_chunks: int) -> dict
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="default-preset fields to change")
+    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="code-preset fields to change")
     ap.add_argument("--out", required=True, help="work directory (resumable)")
     ap.add_argument("--until", default="prompts", help="last pipeline stage to run (default: prompts)")
     ap.add_argument("--measure", default=None, help="comma-separated checkpoints to measure, e.g. base,jf1 (default: "
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
 
     if a.until not in STAGES:
         raise SystemExit(f"error: --until {a.until!r}: one of {', '.join(STAGES)}")
-    preset = replace(PRESETS["default"], threads=a.threads, **_parse_overrides(a.overrides))
+    preset = replace(PRESETS["code"], threads=a.threads, **_parse_overrides(a.overrides))
     out = Path(a.out)
     t0 = time.time()
     Pipeline(out, preset).execute(a.until)

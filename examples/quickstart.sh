@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The main job: Jacobi Forcing end to end on this CPU (see README "Quickstart").
-#   bash examples/quickstart.sh            # model A, about 1 h on 2 cores (6,240 CPU-seconds measured)
+#   bash examples/quickstart.sh            # model A: GSM-Symbolic word problems, one JF round on 6,000 of its own
+#                                          # trajectories; about 40 min on 2 idle cores (measured 39 min in stages)
 #   bash examples/quickstart.sh --smoke    # tiny sizes, ~8 min on one core (CI checks its figures: tests/fixtures/README.md)
 #   bash examples/quickstart.sh --real     # model B: SmolLM2-135M-Instruct, ~2 h on 2 idle cores (measured 1 h 57 min)
 #                                          # (Jacobi Forcing on 352 samples; learning curve in the report)
-#   bash examples/quickstart.sh --math     # GSM-Symbolic word problems, one JF round on 2,000 trajectories (issue 31)
+#   bash examples/quickstart.sh --code     # the code domain (the default until 2026-12), two JF rounds, about 1 h
+#   (--math names the default, as before it was the default)
 # Resumable: re-run the same command after an interruption. --fresh starts over.
 set -euo pipefail
 cd "$(dirname "$0")/.."

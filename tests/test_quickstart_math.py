@@ -11,7 +11,7 @@ from megatron_jf.quickstart import pipeline as P
 
 
 def _pipe(tmp_path, **kw):
-    preset = replace(P.PRESETS["math"], n_pretrain_problems=200, n_train_prompts=30, n_eval_prompts=20,
+    preset = replace(P.PRESETS["default"], n_pretrain_problems=200, n_train_prompts=30, n_eval_prompts=20,
                      n_eval_template_prompts=10, heldout_templates=5, vocab_size=300, **kw)
     return P.Pipeline(tmp_path / "w", preset, log=lambda *a: None)
 
@@ -134,17 +134,31 @@ def test_answer_nll_equals_transformers_on_the_answer_tokens(mp1):
     assert argmax.tolist() == want_argmax
 
 
-def test_command_line_selects_the_math_preset():
-    """``bash examples/quickstart.sh --math`` runs the math preset (it was reachable from Python only); the presets'
-    flags exclude each other."""
+def test_command_line_selects_the_math_preset_by_default(tmp_path, capsys):
+    """``bash examples/quickstart.sh`` runs the math domain (model A); ``--math``, its name before it was the
+    default, selects the same preset, and a work directory made under that name resumes; ``--code`` runs the code
+    domain that was the default; the presets' flags exclude each other."""
+    from dataclasses import asdict
+
     from megatron_jf.quickstart import pipeline as P
 
     ap = P.build_parser()
-    assert [P.preset_name(ap.parse_args(a)) for a in ([], ["--smoke"], ["--real"], ["--math"])] == \
-        ["default", "smoke", "real", "math"]
-    assert P.PRESETS[P.preset_name(ap.parse_args(["--math"]))].math
+    names = [P.preset_name(ap.parse_args(a)) for a in ([], ["--smoke"], ["--real"], ["--math"], ["--code"])]
+    assert names == ["default", "smoke", "real", "default", "code"]
+    assert P.PRESETS["default"].math and not P.PRESETS["code"].math and P.PRESETS["code"].rounds == 2
+    assert P.recipe_flags(P.PRESETS["code"]) == ["--code"] and P.recipe_flags(P.PRESETS["default"]) == []
     with pytest.raises(SystemExit):
         ap.parse_args(["--math", "--smoke"])
+    # a work directory of the math preset under its earlier name: loads as the default and resumes
+    out = tmp_path / "old"
+    out.mkdir()
+    (out / "preset.json").write_text(json.dumps(dict(asdict(P.PRESETS["default"]), name="math")))
+    assert P.load_preset(out).math
+    P._check_resume(out, P.PRESETS["default"])  # no SystemExit
+    # one made with the code default is refused by the new default, naming what differs
+    (out / "preset.json").write_text(json.dumps(dict(asdict(P.PRESETS["code"]), name="default")))
+    with pytest.raises(SystemExit, match="corpus"):
+        P._check_resume(out, P.PRESETS["default"])
 
 
 def test_math_pipeline_end_to_end(tmp_path):
@@ -152,7 +166,7 @@ def test_math_pipeline_end_to_end(tmp_path):
     report.json is strict JSON and holds the math domain's figures for both models -- exact answers over the held-out
     problems, Jacobi TPF on held-out templates, noisy-token accuracy on the same base trajectories -- with every
     decoder's output equal to AR."""
-    pre = replace(P.PRESETS["math"], hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, max_pos=640, pretrain_steps=20,
+    pre = replace(P.PRESETS["default"], hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, max_pos=640, pretrain_steps=20,
                   pretrain_mbs=4, n_pretrain_problems=200, n_train_prompts=16, n_eval_prompts=8,
                   n_eval_template_prompts=4, heldout_templates=5, vocab_size=300, response_tokens=48, collect_batch=8,
                   collect_procs=1, jf1_steps=6, jf_mbs=2, eval_block_sizes=(8, 16), timing_prompts=1, timing_rounds=1,

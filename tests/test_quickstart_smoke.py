@@ -88,8 +88,8 @@ def test_quickstart_smoke_end_to_end(smoke_run):
     man = json.loads((out / "traj2" / "manifest.json").read_text())
     assert man["block_size"] == 32
     md = (out / "report" / "report.md").read_text()
-    # 3 decoders + transformers greedy + TPF-by-n row
-    assert sum(line.startswith("| JF round 2 | ") for line in md.splitlines()) == 5
+    # 4 decoders (AR, Jacobi, MR, the default) + transformers greedy + TPF-by-n row
+    assert sum(line.startswith("| JF round 2 | ") for line in md.splitlines()) == 6
     fastest = next(r["fastest_ar"] for r in rep["rows"] if r["model"] == "JF round 2")
     assert f"| JF round 2 | {fastest} | 1.00x | 1.00 |" in md
     assert (out / "report" / "tpf_by_block_size.png").stat().st_size > 1000

