@@ -134,7 +134,7 @@ def test_answer_nll_equals_transformers_on_the_answer_tokens(mp1):
     assert argmax.tolist() == want_argmax
 
 
-def test_command_line_selects_the_math_preset_by_default(tmp_path, capsys):
+def test_command_line_selects_the_math_preset_by_default(tmp_path):
     """``bash examples/quickstart.sh`` runs the math domain (model A); ``--math``, its name before it was the
     default, selects the same preset, and a work directory made under that name resumes; ``--code`` runs the code
     domain that was the default; the presets' flags exclude each other."""
