@@ -149,6 +149,40 @@ def test_few_steps_on_a_fixed_batch_reduce_the_loss(work):
     assert hist[-1]["noisy acc"] >= hist[0]["noisy acc"]
 
 
+def test_pretrain_frees_its_model_before_returning(work):
+    """Nothing of the model outlives ``pretrain``: its reference cycles are collected (Python's collector is off
+    here, so only ``pretrain``'s own collection can free them) and megatron-core's RotaryEmbedding forward cache
+    (a class-level lru_cache holding the instance, and on GPU megatron DDP's hooks on it) is cleared. Before the
+    fix each Qwen2.5-0.5B run left 8.4 GiB allocated on the H200 (``bench/gpu_check.sh``)."""
+    import gc
+    import weakref
+
+    import pretrain_jf
+    from megatron_jf.training.trainer import pretrain
+
+    cfg = parallel_config(work, "two_stream_kl", data=[os.path.join(work, "fixed")], micro_batch_size=2,
+                          global_batch_size=2, train_steps=2)
+    built = []
+
+    def provider(*args, **kwargs):
+        model = hf_weights_provider(os.path.join(work, "hf"))(*args, **kwargs)
+        # the model and each submodule (megatron-core's RotaryEmbedding sits in a class-level lru_cache)
+        built.extend(weakref.ref(m) for m in model.modules())
+        return model
+
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        hist = pretrain(cfg, provider, partial(pretrain_jf.forward_step, cfg=cfg),
+                        pretrain_jf.train_valid_datasets_provider)
+        assert len(hist) == 2 and built
+        alive = sorted({type(r()).__name__ for r in built if r() is not None})
+        assert not alive, f"pretrain returned with modules of its model still alive: {alive}"
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def test_lr_schedule_warmup_then_cosine():
     from megatron_jf.training.trainer import TrainConfig, lr_at
 
