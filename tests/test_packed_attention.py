@@ -320,6 +320,36 @@ def test_packed_causal_sdpa_bottom_right():
         packed_causal_sdpa(q, k[:6], v[:6], cu_q, 0.5, cu_seqlens_kv=torch.tensor([0, 1, 6], dtype=torch.int32))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("expand_kv", [True, False])
+def test_gqa_sdpa_equals_per_head_reference(expand_kv, causal):
+    """The training modes' GQA attention (K/V expanded, the CUDA default, or ``enable_gqa``), masked or causal:
+    outputs and gradients equal a per-head softmax reference where query head ``h`` reads K/V group
+    ``h // (np / ng)``."""
+    from megatron_jf.models.attention import gqa_sdpa
+
+    g = torch.Generator().manual_seed(7)
+    b, nh, ng, sq, sk, hd = 2, 6, 2, 5, 5 if causal else 9, 8
+    q = torch.randn(b, nh, sq, hd, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(b, ng, sk, hd, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(b, ng, sk, hd, generator=g, dtype=torch.float64, requires_grad=True)
+    allow = torch.rand(b, 1, sq, sk, generator=g) < 0.6
+    allow[..., 0] = True  # every query sees at least one key
+    if causal:
+        allow = torch.ones(sq, sk, dtype=torch.bool).tril_()[None, None].expand(b, 1, sq, sk)
+    out = gqa_sdpa(q, k, v, None if causal else allow, 0.3, expand_kv=expand_kv)
+    ref = torch.stack([torch.softmax((q[:, h] @ k[:, h // (nh // ng)].transpose(-1, -2) * 0.3)
+                                     .masked_fill(~allow[:, 0], float("-inf")), -1) @ v[:, h // (nh // ng)]
+                       for h in range(nh)], 1)
+    assert out.shape == (b, nh, sq, hd)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for a, r in zip(grads, ref_grads):
+        torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-10)
+
+
 def _te_cuda():
     from megatron_jf import platform
 
