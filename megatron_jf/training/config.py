@@ -241,7 +241,7 @@ class TrainConfig:
     """Save every this many steps; default: only at the end."""
     dist_ckpt_optim_fully_reshardable: bool = False
     """megatron distributed optimizer: save its state in megatron-core's ``fully_reshardable`` format (gathered on
-    data-parallel rank 0 at save: costs memory there; a resume may change TP/PP/DP) instead of Megatron-LM's default
+    data-parallel rank 0 at save: costs memory there; a resume may change TP/PP/DP) instead of Megatron-LM's usual
     ``dp_reshardable`` (each rank writes its own buckets; a resume keeps TP and PP). GPU path."""
     keep_last: int | None = None
     """Keep only this many newest checkpoints; default: keep all."""
