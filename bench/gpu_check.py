@@ -9,8 +9,9 @@ Run it through ``bash bench/gpu_check.sh`` (installs the carried wheels first; s
 ``sdpa bool mask + GQA``
     the torch SDPA backend chosen (``torch._fused_sdp_choice``) for a boolean mask with grouped-query attention, the
     dense training path and the decode steps' shape, against the same call with K/V expanded to all heads; on GPU
-    also the time and extra memory of both (issue item 9: flash rejects masks, and before torch's July 2026 change
-    memory-efficient attention rejects GQA, so such a call may fall to the math kernel).
+    also the time and extra memory of both, and for training the time of the causal call without a mask (issue
+    item 9: flash rejects masks, and before torch's July 2026 change memory-efficient attention rejects GQA, so
+    such a call may fall to the math kernel; on the H200 the masked GQA call was 4-8x slower than expanded K/V).
 ``dist-opt overlap``
     a small untied model, 3 steps with megatron's distributed optimizer and ``--overlap-grad-reduce
     --overlap-param-gather`` (small buckets: the output layer in its own), losses equal to the same run without
@@ -19,14 +20,19 @@ Run it through ``bash bench/gpu_check.sh`` (installs the carried wheels first; s
     each attention path (two_stream, packed, dense; ``nc``, and ``nc_ic`` for packed and dense) x recompute mode (none,
     full, selective) on a Qwen2.5-0.5B-shaped random model: a few bf16 steps with the users' flags (megatron
     distributed optimizer, both overlaps), step-1 loss against the CPU fp32 reference of the same weights and batch,
-    peak allocated GPU memory, median step time and tokens/s (after the first step).
+    peak allocated GPU memory, median step time and tokens/s (after the first step); FAIL if the run left over
+    256 MiB allocated after ``pretrain`` returned (the row then names who holds it).
 ``cpu fp32 reference``
     that reference (``CUDA_VISIBLE_DEVICES=`` so it builds exactly what a CPU run builds).
 ``decode 7B <decoder>``
-    a Qwen2.5-7B-shaped random local-spec model (bf16, untied, QKV bias; output layer drawn 10x wider so greedy
-    choices are not bf16 near-ties) through the engine: AR, Jacobi and MR (tree verification) with CUDA graphs,
-    static shapes without graphs, and the eager lean forward: tokens equal across modes and to AR, steady-state
-    tokens/s per mode (the second request of a batch session, so graphs are captured before it).
+    a Qwen2.5-7B-shaped random local-spec model (bf16, untied, QKV bias; output layer drawn 10x wider so logits are
+    peaked) through the engine: AR, Jacobi and MR (tree verification) with CUDA graphs, static shapes without graphs,
+    and the eager lean forward: steady-state tokens/s per mode (the second request of a batch session, so graphs are
+    captured before it), and whether the tokens equal eager AR's. In bf16 a different forward width or kernel rounds
+    differently, so a greedy near-tie may flip: the row then says where and AR's top-2 logit gap there (``info``).
+``decode 7B <decoder> fp32``
+    the exactness check: the same shape and prompt in fp32 (no TF32), tokens equal across the three modes and to
+    eager AR.
 ``decode 7B logits``
     max |logit difference| of one Jacobi-width cached forward, CUDA-graph replay against the eager lean forward.
 ``decode 7B memory``
@@ -86,11 +92,16 @@ USERS_GPU_FLAGS = ["--precision", "bf16", "--use-megatron-optimizer", "--use-dis
                    "--overlap-grad-reduce", "--overlap-param-gather"]
 
 
+#: the parts of the check ``--sections`` selects from
+SECTIONS = ("sdpa", "overlap", "resume", "matrix", "decode")
+
+
 def row_names() -> list[str]:
     """Every row of the summary table, in order (the dry-run test checks each is printed)."""
     return (["versions", "sdpa bool mask + GQA", "dist-opt overlap"]
             + [f"train {p}/{r}" + ("" if m == "nc" else f"/{m}") for p, m, r in MATRIX]
             + ["cpu fp32 reference"] + [f"decode 7B {d}" for d in DECODERS]
+            + [f"decode 7B {d} fp32" for d in DECODERS]
             + ["decode 7B logits", "decode 7B memory", "save -> resume"])
 
 
@@ -129,6 +140,8 @@ def pretrain_args(hf: str, data: str, log: str, *, path: str = "two_stream", mas
 def run_jobs_child(jobs_file: str) -> int:
     """Child process: run each job of ``jobs_file`` (``pretrain_jf.main``) not yet done, one after another; write
     ``{rc, error, peak_allocated, wall_s}`` to each job's ``result`` path (``started`` marks the one in flight)."""
+    import gc
+
     import torch
 
     import pretrain_jf
@@ -148,9 +161,11 @@ def run_jobs_child(jobs_file: str) -> int:
         _write_json(job["result"] + ".started", {})
         if os.path.exists(job["log"]):
             os.remove(job["log"])
+        gc.collect()  # the previous job's leftovers (pretrain collects its own; this is for a failed one)
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
         t0 = time.time()
         print(f"--- job {job['name']}: pretrain_jf.py {' '.join(job['argv'])}", flush=True)
         err = io.StringIO()
@@ -165,9 +180,76 @@ def run_jobs_child(jobs_file: str) -> int:
         res["wall_s"] = time.time() - t0
         longest = max(longest, res["wall_s"])
         if cuda:
-            res["peak_allocated"] = torch.cuda.max_memory_allocated()
+            res["peak_allocated"] = torch.cuda.max_memory_allocated() - before
+            gc.collect()
+            res["left_allocated"] = torch.cuda.memory_allocated() - before
+            if res["left_allocated"] > 2**28:
+                res["left_holders"] = _holders()
         _write_json(job["result"], res)
     return 0
+
+
+def _holders(depth: int = 10, device: str = "cuda", top: int = 2) -> str:
+    """Who keeps the largest ``device`` tensors Python can see alive: each one's referrer chain (an object's
+    attribute or a dict's key where found). Tensors whose storage cannot be read (fake, functional) are skipped."""
+    import gc
+
+    import torch
+
+    here = sys._getframe()
+    found = {}
+    for o in gc.get_objects():
+        try:
+            if isinstance(o, torch.Tensor) and o.device.type == device:
+                st = o.untyped_storage()
+                found.setdefault(st.data_ptr(), (st.nbytes(), o))
+        except Exception:  # noqa: BLE001  (fake/functional tensors, half-built objects)
+            continue
+    if not found:
+        return f"no {device} tensor reachable from Python (held from C++)"
+    total = sum(n for n, _ in found.values())
+    largest = sorted(found.values(), key=lambda x: -x[0])[:top]
+    skip = {id(found), id(largest), id(here)} | {id(v) for v in found.values()}
+
+    def edge(holder, obj) -> str:
+        try:
+            if isinstance(holder, dict):
+                key = next((k for k, v in holder.items() if v is obj), "?")
+                owner = next((x for x in gc.get_referrers(holder) if getattr(x, "__dict__", None) is holder), None)
+                return (f"{type(owner).__qualname__}.{key}" if owner is not None else f"dict[{key!r}]")[:80]
+            if isinstance(holder, (list, tuple)):
+                return f"{type(holder).__name__}[{len(holder)}]"
+            d = getattr(holder, "__dict__", None)
+            if isinstance(d, dict):
+                key = next((k for k, v in d.items() if v is obj), None)
+                if key is not None:
+                    return f"{type(holder).__module__}.{type(holder).__qualname__}.{key}"
+            return f"{type(holder).__module__}.{type(holder).__qualname__}"
+        except Exception as e:  # noqa: BLE001
+            return f"{type(holder).__name__} ({type(e).__name__})"
+
+    out = []
+    for nbytes, obj in largest:
+        chain = [f"{nbytes / 2**20:.0f} MiB {tuple(obj.shape)}"]
+        seen = set(skip) | {id(obj)}
+        keep = []  # this walk's own lists refer to what it walks: skip them (and keep their ids unused)
+        for _ in range(depth):
+            everyone = gc.get_referrers(obj)
+            keep.append(everyone)
+            seen.add(id(everyone))
+            refs = [r for r in everyone if id(r) not in seen and type(r).__name__ != "frame"]
+            keep.append(refs)
+            seen.add(id(refs))
+            if not refs:
+                chain.append("(no Python referrer: held from C++)")
+                break
+            holder = refs[0]
+            seen.add(id(holder))
+            chain.append(edge(holder, obj))
+            obj = holder
+        out.append(" <- ".join(chain))
+    del found, largest
+    return f"{total / 2**30:.2f} GiB in Python-visible {device} tensors; " + "; ".join(out)
 
 
 class _Tee:
@@ -184,6 +266,9 @@ class _Tee:
     def flush(self):
         for st in self.streams:
             st.flush()
+
+    def close(self):  # a library's logging handler may close its stream at exit; the streams are not ours
+        pass
 
 
 def _write_json(path: str, obj) -> None:
@@ -344,12 +429,18 @@ def sdpa_probe(dry: bool) -> tuple[str, str]:
         if name == "train":
             text += f", causal no mask: {_backend(q, k, v, None, causal=True, gqa=True)}"
         if cuda:
-            def run(kk, vv, gqa):
-                o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, enable_gqa=gqa)
+            def run(kk, vv, gqa, causal=False):
+                if kk is ke:  # the expansion is part of the expanded call's cost (forward and backward)
+                    kk, vv = k.repeat_interleave(nh // ng, 1), v.repeat_interleave(nh // ng, 1)
+                o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=None if causal else mask, is_causal=causal,
+                                                   enable_gqa=gqa)
                 if grad:
                     o.sum().backward()
             cost = {}
-            for label, args in (("gqa", (k, v, True)), ("exp", (ke, ve, False))):
+            runs = [("gqa", (k, v, True)), ("exp", (ke, ve, False))]
+            if grad:  # the causal (two-stream, packed) training calls: no mask
+                runs += [("gqa causal", (k, v, True, True)), ("exp causal", (ke, ve, False, True))]
+            for label, args in runs:
                 run(*args)
                 torch.cuda.synchronize()
                 base = torch.cuda.memory_allocated()
@@ -361,6 +452,9 @@ def sdpa_probe(dry: bool) -> tuple[str, str]:
                 cost[label] = ((time.perf_counter() - t0) / 5 * 1e3, (torch.cuda.max_memory_allocated() - base) / 2**20)
             text += (f"; {'fwd+bwd' if grad else 'fwd'} {cost['gqa'][0]:.2f} ms / +{cost['gqa'][1]:.0f} MiB vs "
                      f"expanded {cost['exp'][0]:.2f} ms / +{cost['exp'][1]:.0f} MiB")
+            if grad:
+                text += (f"; causal no mask {cost['gqa causal'][0]:.2f} ms vs expanded "
+                         f"{cost['exp causal'][0]:.2f} ms")
         out.append(text)
         if masked == "MATH":
             notes.append(name)
@@ -370,96 +464,151 @@ def sdpa_probe(dry: bool) -> tuple[str, str]:
 
 def decode_rows(dry: bool) -> list[tuple[str, str, str]]:
     """The ``decode 7B ...`` rows (see the module docstring)."""
+    import gc
+
     import torch
 
     from gpu_decode_check import QWEN25_7B, TINY, build_random_model
     from megatron_jf import parallel
-    from megatron_jf.inference.engine import DecodeConfig, Engine
-    from megatron_jf.inference.lean_forward import lean_forward_for
-    from megatron_jf.inference.static_decode import StaticDecoder
-    from megatron_jf.inference.forward import forward_logits
-    from megatron_jf.models.gpt import new_kv_cache
 
     cuda = torch.cuda.is_available() and not dry
     device = torch.device("cuda" if cuda else "cpu")
-    prompt_len, new, n = (512, 128, 16) if cuda else (24, 12, 4)
     parallel.initialize(1, 1)
-    rows = []
+    rows: list[tuple[str, str, str]] = []
+    names = [f"decode 7B {d}" for d in DECODERS] + [f"decode 7B {d} fp32" for d in DECODERS] + [
+        "decode 7B logits", "decode 7B memory"]
     try:
-        t0 = time.perf_counter()
-        model = build_random_model(QWEN25_7B if cuda else TINY, torch.bfloat16 if cuda else torch.float32, device)
-        with torch.no_grad():  # output layer N(0, 0.2^2): peaked logits, so bf16 rounding flips no greedy near-tie
-            model.output_layer.weight.mul_(10.0)
-        built = time.perf_counter() - t0
-        with torch.inference_mode():  # no autograd anywhere below (KV buffers, graph capture)
-            lean = lean_forward_for(model)
-            if lean is None:
-                return [(f"decode 7B {d}", "FAIL", "the lean forward does not support the model") for d in DECODERS] + [
-                    ("decode 7B logits", "FAIL", "no lean forward"), ("decode 7B memory", "FAIL", "no lean forward")]
-            vocab = model.vocab_size_unpadded
-            g = torch.Generator().manual_seed(0)
-            prompt = torch.randint(0, vocab, (prompt_len,), generator=g).tolist()
-            # the forward implementation is an Engine field (inference/options.py): the static path with CUDA graphs,
-            # the static path run eagerly, and the eager lean forward
-            engines = {"graphs": Engine(model, mr_verify="tree", forward="static", cuda_graphs=cuda),
-                       "static": Engine(model, mr_verify="tree", forward="static", cuda_graphs=False),
-                       "eager": Engine(model, mr_verify="tree", forward="lean")}
-            toks, tps = {}, {}
-            for mode, engine in engines.items():
-                for d in DECODERS:
-                    cfg = DecodeConfig(decoder=d, block_size=n, num_blocks=2 if n >= 8 else 1, verification_size=4)
-                    r = _steady_state(engine, prompt, cfg, new)
-                    toks[mode, d], tps[mode, d] = r.tokens, r.tps
-            mem = []
-            for _ in range(5):  # each generate() builds (and must free) its runner's cache and captured graphs
-                engines["graphs"].generate([prompt], DecodeConfig(decoder="ar"), max_new_tokens=new)
-                if cuda:
-                    torch.cuda.synchronize()
-                mem.append(torch.cuda.memory_allocated() / 2**20 if cuda else float("nan"))
-            modes = engines
-            ref = toks["eager", "ar"]
-            for d in DECODERS:
-                same = all(toks[m, d] == ref for m in modes)
-                differ = "" if same else "; first difference at token " + ", ".join(
-                    f"{m} {_first_difference(toks[m, d], ref)}" for m in modes if toks[m, d] != ref)
-                rows.append((f"decode 7B {d}", "ok" if same else "FAIL",
-                             f"tokens {'equal' if same else 'DIFFER'} across graphs/static/eager and to AR{differ} "
-                             f"({len(ref)} tokens after a {prompt_len}-token prompt, n={n}); tok/s graphs "
-                             f"{tps['graphs', d]:.1f}, static {tps['static', d]:.1f}, eager {tps['eager', d]:.1f}"
-                             + ("" if cuda else " (CPU, tiny: plumbing only)")))
-            # one Jacobi-width cached forward: graph replay (or static eager on CPU) vs the eager lean forward
-            cache = new_kv_cache(model, 1, prompt_len + 64)
-            pos = torch.arange(prompt_len)[None]
-            forward_logits(model, torch.tensor([prompt]), pos, kv_cache=cache, return_logits=False, impl="lean")
-            cache.commit([prompt_len])
-            blk = torch.randint(0, vocab, (1, 1 + n), generator=g)
-            bpos = prompt_len + torch.arange(1 + n)[None]
-            eager = forward_logits(model, blk, bpos, kv_cache=cache, impl="lean")
-            dec = StaticDecoder(lean, cache, buckets=[1 + n], use_graphs=cuda)
-            for _ in range(3):  # capture, then replays
-                static = dec.forward(blk, bpos)
-            diff = float((static[..., :vocab].float() - eager).abs().max())
-            scale = float(eager.abs().max())
-            rows.append(("decode 7B logits", "ok" if diff <= 0.05 * max(scale, 1e-6) else "FAIL",
-                         f"max |logit diff| {diff:.3g} (max |logit| {scale:.3g}), "
-                         f"{'CUDA graph replay' if cuda else 'static eager (CPU)'} vs eager lean, 1+{n} tokens after "
-                         f"{prompt_len}; model built in {built:.1f} s"))
+        # bf16: the speed rows (tokens/s per forward mode) and whether bf16 rounding kept AR's tokens; fp32: the
+        # exactness rows (same model shape and prompt; fp32 matmuls, no TF32). On the CPU dry run one fp32 pass.
+        passes = [("bf16", torch.bfloat16, 128), ("fp32", torch.float32, 64)] if cuda else [("fp32", torch.float32, 12)]
+        for label, dtype, new in passes:
+            if dtype is torch.float32:  # exact fp32 products: no TF32 in matmuls or cuDNN
+                torch.backends.cuda.matmul.allow_tf32 = False
+                torch.backends.cudnn.allow_tf32 = False
+            t0 = time.perf_counter()
+            model = build_random_model(QWEN25_7B if cuda else TINY, dtype, device)
+            with torch.no_grad():  # output layer N(0, 0.2^2): peaked logits
+                model.output_layer.weight.mul_(10.0)
+            built = time.perf_counter() - t0
+            rows += _decode_pass(model, label, cuda, new, built, speed=label == "bf16" or not cuda,
+                                 extras=label == passes[0][0])
+            del model
+            gc.collect()
             if cuda:
-                grow = mem[-1] - mem[0]
-                rows.append(("decode 7B memory", "ok" if grow <= 64 else "FAIL",
-                             f"allocated after 5 generate(): {', '.join(f'{m:.0f}' for m in mem)} MiB "
-                             f"(+{grow:.0f} MiB from the 1st to the 5th)"))
-            else:
-                rows.append(("decode 7B memory", "skip", "CPU dry run: 5 generate() calls ran; no GPU memory to read"))
+                torch.cuda.empty_cache()
+        if not cuda:  # the dry run's one pass is both the speed and the exactness pass
+            rows += [(f"decode 7B {d} fp32", st, txt) for (n_, st, txt) in list(rows) for d in DECODERS
+                     if n_ == f"decode 7B {d}"]
     except Exception as e:  # noqa: BLE001  (one failing section must not hide the others)
         traceback.print_exc()
         done = {r[0] for r in rows}
         rows += [(name, "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
-                 for name in [f"decode 7B {d}" for d in DECODERS] + ["decode 7B logits", "decode 7B memory"]
-                 if name not in done]
+                 for name in names if name not in done]
     finally:
         parallel.destroy()
     return rows
+
+
+def _decode_pass(model, label: str, cuda: bool, new: int, built: float, *, speed: bool,
+                 extras: bool) -> list[tuple[str, str, str]]:
+    """One model through the three forward modes and decoders. ``speed``: the bf16 rows (tokens/s; a token
+    difference is bf16 rounding unless AR's top-2 logit gap there is wide); else the ``fp32`` exactness rows.
+    ``extras``: also the logits and memory rows."""
+    import torch
+
+    from megatron_jf.inference.engine import DecodeConfig, Engine
+    from megatron_jf.inference.forward import forward_logits
+    from megatron_jf.inference.lean_forward import lean_forward_for
+    from megatron_jf.inference.static_decode import StaticDecoder
+    from megatron_jf.models.gpt import new_kv_cache
+
+    prompt_len, n = (512, 16) if cuda else (24, 4)
+    rows = []
+    with torch.inference_mode():  # no autograd anywhere below (KV buffers, graph capture)
+        lean = lean_forward_for(model)
+        if lean is None:
+            return [(f"decode 7B {d}", "FAIL", "the lean forward does not support the model") for d in DECODERS]
+        vocab = model.vocab_size_unpadded
+        g = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, vocab, (prompt_len,), generator=g).tolist()
+        # the forward implementation is an Engine field (inference/options.py): the static path with CUDA graphs,
+        # the static path run eagerly, and the eager lean forward
+        engines = {"graphs": Engine(model, mr_verify="tree", forward="static", cuda_graphs=cuda),
+                   "static": Engine(model, mr_verify="tree", forward="static", cuda_graphs=False),
+                   "eager": Engine(model, mr_verify="tree", forward="lean")}
+        toks, tps = {}, {}
+        for mode, engine in engines.items():
+            for d in DECODERS:
+                cfg = DecodeConfig(decoder=d, block_size=n, num_blocks=2 if n >= 8 else 1, verification_size=4)
+                r = _steady_state(engine, prompt, cfg, new)
+                toks[mode, d], tps[mode, d] = r.tokens, r.tps
+        ref = toks["eager", "ar"]
+        for d in DECODERS:
+            same = all(toks[m, d] == ref for m in engines)
+            first = min((_first_difference(toks[m, d], ref) for m in engines if toks[m, d] != ref), default=None)
+            where = "" if same else "; first difference at token " + ", ".join(
+                f"{m} {_first_difference(toks[m, d], ref)}" for m in engines if toks[m, d] != ref)
+            what = f"({len(ref)} tokens after a {prompt_len}-token prompt, n={n})"
+            if not speed:
+                rows.append((f"decode 7B {d} {label}", "ok" if same else "FAIL",
+                             f"{label}: tokens {'equal' if same else 'DIFFER'} across graphs/static/eager and to "
+                             f"AR{where} {what}"))
+                continue
+            status = "ok"
+            if not same:  # bf16: a different GEMM shape rounds differently; flipping a near-tie is that, not a bug
+                gap = _top2_gap(model, prompt + ref[:first])
+                where += f" (AR's top-2 logit gap there {gap:.3g})"
+                status = "info" if cuda else "FAIL"
+            rows.append((f"decode 7B {d}", status,
+                         f"{label}: tokens {'equal' if same else 'differ'} across graphs/static/eager and to AR"
+                         f"{where} {what}; tok/s graphs {tps['graphs', d]:.1f}, static {tps['static', d]:.1f}, "
+                         f"eager {tps['eager', d]:.1f}" + ("" if cuda else " (CPU, tiny: plumbing only)")))
+        if not extras:
+            return rows
+        mem = []
+        for _ in range(5):  # each generate() builds (and must free) its runner's cache and captured graphs
+            engines["graphs"].generate([prompt], DecodeConfig(decoder="ar"), max_new_tokens=new)
+            if cuda:
+                torch.cuda.synchronize()
+            mem.append(torch.cuda.memory_allocated() / 2**20 if cuda else float("nan"))
+        # one Jacobi-width cached forward: graph replay (or static eager on CPU) vs the eager lean forward
+        cache = new_kv_cache(model, 1, prompt_len + 64)
+        pos = torch.arange(prompt_len)[None]
+        forward_logits(model, torch.tensor([prompt]), pos, kv_cache=cache, return_logits=False, impl="lean")
+        cache.commit([prompt_len])
+        blk = torch.randint(0, vocab, (1, 1 + n), generator=g)
+        bpos = prompt_len + torch.arange(1 + n)[None]
+        eager = forward_logits(model, blk, bpos, kv_cache=cache, impl="lean")
+        dec = StaticDecoder(lean, cache, buckets=[1 + n], use_graphs=cuda)
+        for _ in range(3):  # capture, then replays
+            static = dec.forward(blk, bpos)
+        diff = float((static[..., :vocab].float() - eager).abs().max())
+        scale = float(eager.abs().max())
+        rows.append(("decode 7B logits", "ok" if diff <= 0.05 * max(scale, 1e-6) else "FAIL",
+                     f"{label}: max |logit diff| {diff:.3g} (max |logit| {scale:.3g}), "
+                     f"{'CUDA graph replay' if cuda else 'static eager (CPU)'} vs eager lean, 1+{n} tokens after "
+                     f"{prompt_len}; model built in {built:.1f} s"))
+        if cuda:
+            grow = mem[-1] - mem[0]
+            rows.append(("decode 7B memory", "ok" if grow <= 8 else "FAIL",
+                         f"allocated after 5 generate(): {', '.join(f'{m:.0f}' for m in mem)} MiB "
+                         f"(+{grow:.0f} MiB from the 1st to the 5th)"))
+        else:
+            rows.append(("decode 7B memory", "skip", "CPU dry run: 5 generate() calls ran; no GPU memory to read"))
+    return rows
+
+
+def _top2_gap(model, tokens: list[int]) -> float:
+    """AR's margin between its two best next-token logits after ``tokens`` (one uncached lean forward)."""
+    import torch
+
+    from megatron_jf.inference.forward import forward_logits
+
+    ids = torch.tensor([tokens])
+    logits = forward_logits(model, ids, torch.arange(len(tokens))[None], impl="lean")[0, -1]
+    logits = logits[: model.vocab_size_unpadded].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
 
 
 def _steady_state(engine, prompt: list[int], cfg, new: int):
@@ -498,6 +647,9 @@ def _fmt_train(r: dict, ref_loss: float | None, nc_ic_first: float | None, mask:
     rel = (l1 - against) / abs(against) if against else None
     status = "ok" if rel is None or abs(rel) <= 0.02 else "FAIL"
     mem = f"peak {r['peak_allocated'] / 2**30:.2f} GiB, " if r.get("peak_allocated") else ""
+    if r.get("left_allocated", 0) > 2**28:  # pretrain must leave nothing behind (Trainer.release)
+        mem += f"{r['left_allocated'] / 2**30:.2f} GiB still allocated after it ({r.get('left_holders', '?')}), "
+        status = "FAIL"
     return status, (f"loss step 1 {l1:.4f} ({'vs ' + other + f' {rel:+.1e}' if rel is not None else 'no reference'}),"
                     f" {mem}step {statistics.median(st):.3f} s, {statistics.median(tps):.0f} tok/s; losses "
                     f"{[round(x, 4) for x in r['losses']]}")
@@ -522,9 +674,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny models, torch AdamW: the plumbing, no GPU")
     p.add_argument("--work", default=None, help="scratch directory (default: /tmp/gpu_check_work[_dry]; the child "
                                                 "logs are copied to $OUT when it is set)")
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help="comma list of what to run, of " + ", ".join(SECTIONS) + " and 'train:<path>/<recompute>"
+                        "[/<mask>]' for one training-matrix row (rerunning a few rows inside a short lease); "
+                        "rows not run say 'not selected'")
     p.add_argument("--budget-s", type=float, default=None,
                    help="start no training job after this many seconds (default 390 on GPU, 600 dry)")
     a = p.parse_args(argv)
+    want = {x.strip() for x in a.sections.split(",") if x.strip()}
+    unknown = {x for x in want if x not in SECTIONS and not x.startswith("train:")}
+    if unknown:
+        p.error(f"--sections: unknown {sorted(unknown)} (known: {', '.join(SECTIONS)}, train:<row>)")
     t_start = time.time()
     import torch
 
@@ -541,12 +701,13 @@ def main(argv: list[str] | None = None) -> int:
 
     rows["versions"] = ("info", versions_row())
     print("versions:", rows["versions"][1], flush=True)
-    try:
-        rows["sdpa bool mask + GQA"] = sdpa_probe(dry)
-    except Exception as e:  # noqa: BLE001
-        traceback.print_exc()
-        rows["sdpa bool mask + GQA"] = ("FAIL", f"{type(e).__name__}: {e}"[:300])
-    print("sdpa:", rows["sdpa bool mask + GQA"][1], flush=True)
+    if "sdpa" in want:
+        try:
+            rows["sdpa bool mask + GQA"] = sdpa_probe(dry)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            rows["sdpa bool mask + GQA"] = ("FAIL", f"{type(e).__name__}: {e}"[:300])
+        print("sdpa:", rows["sdpa bool mask + GQA"][1], flush=True)
 
     # ---- inputs and jobs
     ncpu = os.cpu_count() or 2
@@ -584,37 +745,44 @@ def main(argv: list[str] | None = None) -> int:
     ref_job = job("cpu fp32 reference", big_hf, big_data, ["--precision", "fp32"],
                   **dict(big, steps=1, threads=max(1, ncpu - 4) if gpu else 2))
 
-    decode_reserve = 150.0 if gpu else 0.0
+    overlap_jobs = overlap_jobs if "overlap" in want else []
+    resume_jobs = resume_jobs if "resume" in want else []
+    matrix_jobs = [j for j in matrix_jobs if "matrix" in want or f"train:{j['name'][len('train '):]}" in want]
+    ref_jobs = [ref_job] if matrix_jobs else []
+    decode_reserve = (240.0 if "decode" in want else 0.0) if gpu else 0.0
     deadline = t_start + budget - decode_reserve
     if gpu:
-        cpu = Runner(work, "cpu_ref", [ref_job], env={"CUDA_VISIBLE_DEVICES": ""}, deadline=deadline + 120,
+        cpu = Runner(work, "cpu_ref", ref_jobs, env={"CUDA_VISIBLE_DEVICES": ""}, deadline=deadline + 120,
                      budget_s=budget).start()
         runner = Runner(work, "gpu_jobs", overlap_jobs + resume_jobs + matrix_jobs, env={}, deadline=deadline,
                         budget_s=budget).start()
         runner.wait()
     else:  # one CPU child for everything (one import of torch + megatron-core)
-        runner = Runner(work, "cpu_jobs", overlap_jobs + resume_jobs + matrix_jobs + [ref_job], env={},
+        runner = Runner(work, "cpu_jobs", overlap_jobs + resume_jobs + matrix_jobs + ref_jobs, env={},
                         deadline=deadline, budget_s=budget).start()
         runner.wait()
         cpu = runner
     print(f"training jobs done at {time.time() - t_start:.0f} s", flush=True)
 
     # ---- decode (this process; the GPU is free now)
-    decode = decode_rows(dry)
+    decode = decode_rows(dry) if "decode" in want else []
     print(f"decode done at {time.time() - t_start:.0f} s", flush=True)
     if gpu:
         cpu.wait(grace_s=60.0)
 
     # ---- rows from the jobs
     res = {j["name"]: runner.result(j) for j in overlap_jobs + resume_jobs + matrix_jobs}
-    ref = cpu.result(ref_job)
+    ref = cpu.result(ref_job) if ref_jobs else {}
     ref_loss = ref["losses"][0] if ref.get("rc") == 0 and ref["losses"] else None
-    rows["cpu fp32 reference"] = (("ok", f"loss step 1 {ref_loss:.4f} (two_stream, same seed and batch)")
-                                  if ref_loss is not None else
-                                  ("FAIL" if not ref.get("skipped") else "skip",
-                                   ref.get("skipped") or f"rc {ref.get('rc')}: {ref.get('error', '')}"))
-    a_, b_ = res["dist-opt no overlap"], res["dist-opt overlap"]
-    if a_.get("rc") == 0 and b_.get("rc") == 0 and len(a_["losses"]) == len(b_["losses"]) == small["steps"]:
+    if ref_jobs:
+        rows["cpu fp32 reference"] = (("ok", f"loss step 1 {ref_loss:.4f} (two_stream, same seed and batch)")
+                                      if ref_loss is not None else
+                                      ("FAIL" if not ref.get("skipped") else "skip",
+                                       ref.get("skipped") or f"rc {ref.get('rc')}: {ref.get('error', '')}"))
+    a_, b_ = res.get("dist-opt no overlap"), res.get("dist-opt overlap")
+    if not overlap_jobs:
+        pass
+    elif a_.get("rc") == 0 and b_.get("rc") == 0 and len(a_["losses"]) == len(b_["losses"]) == small["steps"]:
         rel = max(abs(x - y) / abs(x) for x, y in zip(a_["losses"], b_["losses"]))
         rows["dist-opt overlap"] = ("ok" if rel <= 1e-3 else "FAIL",
                                     f"{small['steps']} steps, losses {[round(x, 5) for x in b_['losses']]} vs no overlap "
@@ -625,8 +793,10 @@ def main(argv: list[str] | None = None) -> int:
         bad = b_ if b_.get("rc") != 0 else a_
         rows["dist-opt overlap"] = ("skip" if bad.get("skipped") else "FAIL",
                                     bad.get("skipped") or f"rc {bad.get('rc')}: {bad.get('error', '')}")
-    full, p2 = res["resume uninterrupted"], res["resume part 2"]
-    if full.get("rc") == 0 and p2.get("rc") == 0 and len(full["losses"]) == 3 and p2["losses"]:
+    full, p2 = res.get("resume uninterrupted"), res.get("resume part 2")
+    if not resume_jobs:
+        pass
+    elif full.get("rc") == 0 and p2.get("rc") == 0 and len(full["losses"]) == 3 and p2["losses"]:
         rel = abs(p2["losses"][-1] - full["losses"][-1]) / abs(full["losses"][-1])
         rows["save -> resume"] = ("ok" if rel <= 1e-3 else "FAIL",
                                   f"step-3 loss after resume {p2['losses'][-1]:.6f} vs uninterrupted "
@@ -636,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
         rows["save -> resume"] = ("skip" if bad.get("skipped") else "FAIL",
                                   bad.get("skipped") or f"rc {bad.get('rc')}: {bad.get('error', '')}"
                                   + ("" if bad.get("rc") != 0 else f"; losses {full['losses']} / {p2['losses']}"))
-    first_nc_ic = res["train packed/none/nc_ic"]["losses"][:1]
+    first_nc_ic = res.get("train packed/none/nc_ic", {}).get("losses", [])[:1]
     for j in matrix_jobs:
         rows[j["name"]] = _fmt_train(res[j["name"]], ref_loss, first_nc_ic[0] if first_nc_ic else None, j["mask"])
     for name, status, text in decode:
@@ -647,7 +817,8 @@ def main(argv: list[str] | None = None) -> int:
 
         for r in {runner, cpu}:
             shutil.copy(r.log, os.path.join(os.environ["OUT"], os.path.basename(r.log)))
-    table = [(n, *rows.get(n, ("FAIL", "row missing"))) for n in row_names()]
+    missing = ("skip", "not selected (--sections)") if want != set(SECTIONS) else ("FAIL", "row missing")
+    table = [(n, *rows.get(n, missing)) for n in row_names()]
     print_table(table, ("GPU" if gpu else "DRY RUN on CPU (tiny models; not GPU figures)")
                 + f", {time.time() - t_start:.0f} s")
     return 0 if all(s != "FAIL" for _, s, _ in table) else 1

@@ -6,6 +6,7 @@
 #   bash bench/gpu_check.sh --fetch-wheels   # here, once per checkout (needs PyPI): .whl/ for the device's Python 3.12
 #   bash bench/gpu_check.sh                  # on the GPU machine: installs .whl/*.whl into /tmp/jf_site, runs the check
 #   bash bench/gpu_check.sh --dry-run        # CPU, tiny models: the same script end to end (CI runs this)
+#   bash bench/gpu_check.sh --sections resume,decode,train:dense/none   # a rerun of some rows (~1-2 min each)
 #
 # The device machine has no network and no Transformer Engine (TE ships as source only and cannot be carried), so the
 # wheels travel with the working tree: device tool run(command="bash bench/gpu_check.sh", carry=[".whl"],
