@@ -81,6 +81,36 @@ def test_lean_equals_megatron_with_kv_cache_tree_mask_and_ragged_rows(pairs, nam
     torch.testing.assert_close(outs["lean"][2][0, 0], ref, rtol=1e-4, atol=1e-4)
 
 
+def test_bf16_one_row_products_take_the_packed_weights(monkeypatch, mp1):
+    """bf16 weights: one-row (AR step) products go through oneDNN's packed copy too (its native bf16 kernels; a
+    bf16 ``x @ W_t`` is slower than fp32's), and the cached one-row step equals megatron-core's bf16 forward and the
+    transposed path within bf16 rounding."""
+    from megatron_jf.inference import lean_forward
+    from megatron_jf.inference.forward import forward_logits
+    from megatron_jf.models.gpt import new_kv_cache
+
+    _, m = _pair("qwen2", False, seed=4)
+    m = m.to(torch.bfloat16)
+    prompt = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(2))
+    step = {}
+    for mode, packed_min in (("packed", 0), ("transposed", 1 << 62), ("megatron", 0)):
+        monkeypatch.setattr(lean_forward, "PACKED_MIN_MACS", packed_min)
+        lf = lean_forward.lean_forward_for(m)
+        lf._wp.clear()
+        impl = "megatron" if mode == "megatron" else "lean"
+        cache = new_kv_cache(m, 1, 16)
+        forward_logits(m, prompt, torch.arange(7)[None], kv_cache=cache, return_logits=False, impl=impl)
+        cache.commit([7])
+        lf._wp.clear()
+        step[mode] = forward_logits(m, torch.tensor([[5]]), torch.tensor([[7]]), kv_cache=cache, impl=impl).float()
+        if mode != "megatron":
+            assert bool(lf._wp) == (mode == "packed" and lf.packed), mode  # the one-row step's products went packed
+    scale = float(step["megatron"].abs().max())
+    for mode in ("packed", "transposed"):
+        assert float((step[mode] - step["megatron"]).abs().max()) <= 0.03 * scale, mode
+    assert int(step["packed"].argmax()) == int(step["megatron"].argmax())
+
+
 def test_cached_prefill_uses_causal_kernel_and_matches_uncached(pairs):
     from megatron_jf.inference.forward import forward_logits
     from megatron_jf.models.gpt import new_kv_cache

@@ -149,7 +149,10 @@ class LeanForward:
         one; packed, 1.05-1.3x (AVX-512 EPYC, one thread), and batch-16 AR steps take 0.65x the time. A second
         extra copy of those weights. oneDNN's call costs ~10-15 us more than MKL's, so products below
         :data:`PACKED_MIN_MACS` multiply-adds (a 2-4 token draft through a 256-hidden model's weights) use the
-        transposed copy as one-row products do.
+        transposed copy as one-row products do. bf16 weights take the packed copy for one-row products too:
+        oneDNN's native bf16 kernels (AVX-512 BF16) read half the bytes, where a bf16 ``x @ W_t`` is slower than
+        fp32's (SmolLM2-135M's products at one row: 2.8 ms packed bf16 against 8.0 ms fp32 per layer's set of
+        weights with the output layer, one thread).
         """
         if self.emb.weight.device.type != "cpu":
             return set()
@@ -169,7 +172,8 @@ class LeanForward:
             return F.linear(x, w, bias)
         key = (w._version, w.data_ptr(), w.dtype)
         rows = x.numel() // x.shape[-1]
-        if rows > 1 and rows * w.numel() >= PACKED_MIN_MACS:  # several rows of a large product: the packed copy
+        packed = rows * w.numel() >= PACKED_MIN_MACS and (rows > 1 or w.dtype == torch.bfloat16)
+        if packed:  # several rows of a large product, or a bf16 one (see _gemv_policy): the packed copy
             if not self.packed or x.dtype != w.dtype or torch.is_autocast_enabled("cpu"):
                 return F.linear(x, w, bias)
             hit = self._wp.get(name)
