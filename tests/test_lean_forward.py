@@ -81,22 +81,24 @@ def test_lean_equals_megatron_with_kv_cache_tree_mask_and_ragged_rows(pairs, nam
     torch.testing.assert_close(outs["lean"][2][0, 0], ref, rtol=1e-4, atol=1e-4)
 
 
-def test_bf16_one_row_products_take_the_packed_weights(monkeypatch, mp1):
-    """bf16 weights: one-row (AR step) products go through oneDNN's packed copy too (its native bf16 kernels; a
-    bf16 ``x @ W_t`` is slower than fp32's), and the cached one-row step equals megatron-core's bf16 forward and the
-    transposed path within bf16 rounding."""
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_one_row_products_take_the_packed_weights(dtype, monkeypatch, mp1):
+    """One-row (AR step) products go through oneDNN's packed copy where it pays: bf16 weights always (native bf16
+    kernels; a bf16 ``x @ W_t`` is slower than fp32's), fp32 weights from :data:`PACKED_ONE_ROW_MIN` elements (a
+    large output layer); the cached one-row step equals megatron-core's forward and the transposed path."""
     from megatron_jf.inference import lean_forward
     from megatron_jf.inference.forward import forward_logits
     from megatron_jf.models.gpt import new_kv_cache
 
     _, m = _pair("qwen2", False, seed=4)
-    m = m.to(torch.bfloat16)
+    if dtype == "bf16":
+        m = m.to(torch.bfloat16)
+    knob = "PACKED_MIN_MACS" if dtype == "bf16" else "PACKED_ONE_ROW_MIN"
     prompt = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(2))
     step = {}
-    for mode, packed_min in (("packed", 0), ("transposed", 1 << 62), ("megatron", 0)):
-        monkeypatch.setattr(lean_forward, "PACKED_MIN_MACS", packed_min)
+    for mode, threshold in (("packed", 0), ("transposed", 1 << 62), ("megatron", 0)):
+        monkeypatch.setattr(lean_forward, knob, threshold)
         lf = lean_forward.lean_forward_for(m)
-        lf._wp.clear()
         impl = "megatron" if mode == "megatron" else "lean"
         cache = new_kv_cache(m, 1, 16)
         forward_logits(m, prompt, torch.arange(7)[None], kv_cache=cache, return_logits=False, impl=impl)
@@ -106,8 +108,9 @@ def test_bf16_one_row_products_take_the_packed_weights(monkeypatch, mp1):
         if mode != "megatron":
             assert bool(lf._wp) == (mode == "packed" and lf.packed), mode  # the one-row step's products went packed
     scale = float(step["megatron"].abs().max())
+    tol = 0.03 * scale if dtype == "bf16" else 1e-5 * max(scale, 1.0)
     for mode in ("packed", "transposed"):
-        assert float((step[mode] - step["megatron"]).abs().max()) <= 0.03 * scale, mode
+        assert float((step[mode] - step["megatron"]).abs().max()) <= tol, mode
     assert int(step["packed"].argmax()) == int(step["megatron"].argmax())
 
 

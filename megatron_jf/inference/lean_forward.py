@@ -79,6 +79,12 @@ def supports(model) -> bool:
 #: transposed copy; 1 M multiply-adds and up, packed was as fast or faster at every shape measured).
 PACKED_MIN_MACS = 1 << 19
 
+#: fp32 one-row products through weights of at least this many elements also take the packed copy: oneDNN reads
+#: a large packed weight faster than ``x @ W_t`` (SmolLM2-135M's 49,152 x 960 output layer at one row: 4.9 ms packed,
+#: 7.9 ms transposed, 11.0 ms ``F.linear``; its 1.5-4.9 M-element layer weights: equal within 5 %; a 256-hidden
+#: model's weights, under a million elements: the transposed copy is 2x faster; one thread, AVX-512 EPYC).
+PACKED_ONE_ROW_MIN = 1 << 20
+
 
 class _Layer:
     __slots__ = ("ln1", "eps1", "qkv_w", "qkv_b", "proj_w", "ln2", "eps2", "fc1_w", "fc2_w", "names")
@@ -149,7 +155,9 @@ class LeanForward:
         one; packed, 1.05-1.3x (AVX-512 EPYC, one thread), and batch-16 AR steps take 0.65x the time. A second
         extra copy of those weights. oneDNN's call costs ~10-15 us more than MKL's, so products below
         :data:`PACKED_MIN_MACS` multiply-adds (a 2-4 token draft through a 256-hidden model's weights) use the
-        transposed copy as one-row products do. bf16 weights take the packed copy for one-row products too:
+        transposed copy as one-row products do; one-row products through weights of :data:`PACKED_ONE_ROW_MIN`
+        elements or more (a large output layer) take the packed copy. bf16 weights take the packed copy for
+        one-row products too:
         oneDNN's native bf16 kernels (AVX-512 BF16) read half the bytes, where a bf16 ``x @ W_t`` is slower than
         fp32's (SmolLM2-135M's products at one row: 2.8 ms packed bf16 against 8.0 ms fp32 per layer's set of
         weights with the output layer, one thread).
@@ -172,8 +180,11 @@ class LeanForward:
             return F.linear(x, w, bias)
         key = (w._version, w.data_ptr(), w.dtype)
         rows = x.numel() // x.shape[-1]
-        packed = rows * w.numel() >= PACKED_MIN_MACS and (rows > 1 or w.dtype == torch.bfloat16)
-        if packed:  # several rows of a large product, or a bf16 one (see _gemv_policy): the packed copy
+        if rows > 1 or w.dtype == torch.bfloat16:
+            packed = rows * w.numel() >= PACKED_MIN_MACS
+        else:
+            packed = w.numel() >= PACKED_ONE_ROW_MIN
+        if packed:  # several rows of a large product, a bf16 one or a large one-row one (see _gemv_policy)
             if not self.packed or x.dtype != w.dtype or torch.is_autocast_enabled("cpu"):
                 return F.linear(x, w, bias)
             hit = self._wp.get(name)
