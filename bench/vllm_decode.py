@@ -24,7 +24,8 @@ project's first, alone, measuring its forward's cost or reading it from ``MEGATR
 measures it anew); then, for
 each round, batch and system (the order rotated every round), the driver asks one worker at a time to decode: batch
 1 runs the first ``--num-prompts`` problems one at a time, batch B the first B problems at once. Greedy, fp32, EOS
-stops, ``--max-new-tokens`` per request; times are wall seconds of the generate calls (prefill included), one
+stops, ``--max-new-tokens`` per request; times are wall seconds of the generate calls (prefill included; vLLM's
+prefix cache off, since the rounds repeat the same prompts), one
 thread per worker (``OMP_NUM_THREADS``, default 1). A system's ratio to another is the median over rounds of the
 per-round ratio (each round's systems ran minutes apart at most; on a shared machine compare ratios, not tok/s).
 
@@ -173,8 +174,10 @@ def _run_vllm(args) -> None:
     spec = json.load(open(args.spec))
     sc = _vllm_spec(args.system, args)
     ctx = json.load(open(os.path.join(spec["hf"], "config.json"))).get("max_position_embeddings") or 2048
+    # prefix caching off: the rounds repeat the same prompts, which a prefix cache would serve from memory after the
+    # first (with it on, vLLM's later rounds skipped their prefill while this project's engine ran it)
     llm = LLM(spec["hf"], dtype="float32", max_model_len=min(2048, int(ctx)), enforce_eager=True,
-              disable_log_stats=False, kv_cache_memory_bytes=1 << 30, seed=0,
+              disable_log_stats=False, kv_cache_memory_bytes=1 << 30, seed=0, enable_prefix_caching=False,
               **({} if sc is None else {"speculative_config": sc}))
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
     llm.generate([{"prompt_token_ids": spec["prompts"][0]}], SamplingParams(temperature=0.0, max_tokens=8),

@@ -100,6 +100,27 @@ def test_prefill_clock_waits_for_the_device(model, monkeypatch):
     assert calls == [next(model.parameters()).device] and res.prefill_s > 0
 
 
+@pytest.mark.parametrize("together", [False, True])
+def test_prefill_one_by_one_or_padded_fills_the_same_cache(model, together):
+    """Ragged prompts prefilled each alone (CPU) or as one padded batch (accelerators): each row's committed keys and
+    values equal a prefill of that prompt alone, and nothing is written past its length."""
+    from megatron_jf.inference.runner import ModelRunner
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (7, 3, 11, 1)]
+    r = ModelRunner(model, 4, 16, forward="lean")
+    r.prefill_together = together
+    r.prefill(prompts, 0)
+    assert r.cache.lengths.tolist() == [6, 2, 10, 0]
+    for i, p in enumerate(prompts):
+        alone = ModelRunner(model, 1, 16, forward="lean")
+        alone.prefill([p], 0)
+        L = len(p) - 1
+        torch.testing.assert_close(r.cache.k[:, i, :, :L], alone.cache.k[:, 0, :, :L], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(r.cache.v[:, i, :, :L], alone.cache.v[:, 0, :, :L], rtol=1e-5, atol=1e-6)
+        assert not r.cache.k[:, i, :, L:].any()
+
+
 def test_models_do_not_import_inference():
     """The model layer (megatron_jf/models) has no import of megatron_jf.inference (the two old back-edges:
     forward_logits reaching into the lean forward and the static decoder)."""

@@ -79,6 +79,10 @@ class ModelRunner:
             lean.gemv_transposed = lean._gemv_policy(gemv)
         self.cuda_graphs = cuda_graphs
         self.max_static_views = max_static_views
+        #: prefill the prompts of one call as one padded batch (on an accelerator) or each alone (on CPU: a padded
+        #: batch computes its padding and gains nothing on a CPU's GEMMs; 16 HumanEval chat prompts through
+        #: SmolLM2-135M, one thread: 5.2-6.4 s padded, 3.7 s one at a time)
+        self.prefill_together = self.device.type != "cpu"
         self.cache = new_kv_cache(model, capacity, max_len)
         self._static: OrderedDict[tuple[int, int], StaticDecoder] = OrderedDict()
 
@@ -110,19 +114,23 @@ class ModelRunner:
         keys/values into cache rows ``base, base+1, ...`` and commit them. Returns the wall seconds it took,
         device work included."""
         t0 = time.perf_counter()
-        n = len(prompts)
-        P = max(len(p) for p in prompts)
-        if P > 1:
+        together = self.prefill_together
+        groups = [list(range(len(prompts)))] if together else [[i] for i in range(len(prompts))]
+        for rows in groups:
+            n = len(rows)
+            P = max(len(prompts[i]) for i in rows)
+            if P <= 1:
+                continue
             tmp = new_kv_cache(self.model, n, P - 1)
             toks = torch.zeros(n, P - 1, dtype=torch.long)
-            for i, p in enumerate(prompts):
-                toks[i, : len(p) - 1] = torch.tensor(p[:-1])
+            for j, i in enumerate(rows):
+                toks[j, : len(prompts[i]) - 1] = torch.tensor(prompts[i][:-1])
             forward_logits(self.model, toks, torch.arange(P - 1).expand(n, P - 1), kv_cache=tmp,
                            return_logits=False, impl=self.impl)  # nobody reads prefill logits
-            for i, p in enumerate(prompts):
-                L = len(p) - 1
-                self.cache.k[:, base + i, :, :L] = tmp.k[:, i, :, :L]
-                self.cache.v[:, base + i, :, :L] = tmp.v[:, i, :, :L]
+            for j, i in enumerate(rows):
+                L = len(prompts[i]) - 1
+                self.cache.k[:, base + i, :, :L] = tmp.k[:, j, :, :L]
+                self.cache.v[:, base + i, :, :L] = tmp.v[:, j, :, :L]
         synchronize(self.device)
         dt = time.perf_counter() - t0
         for i, p in enumerate(prompts):
