@@ -85,7 +85,7 @@ def test_lean_equals_megatron_with_kv_cache_tree_mask_and_ragged_rows(pairs, nam
 def test_one_row_products_take_the_packed_weights(dtype, monkeypatch, mp1):
     """One-row (AR step) products go through oneDNN's packed copy where it pays: bf16 weights always (native bf16
     kernels; a bf16 ``x @ W_t`` is slower than fp32's), fp32 weights from :data:`PACKED_ONE_ROW_MIN` elements (a
-    large output layer); the cached one-row step equals megatron-core's forward and the transposed path."""
+    large output layer); the cached one-row step equals megatron-core's forward (and, fp32, the transposed path)."""
     from megatron_jf.inference import lean_forward
     from megatron_jf.inference.forward import forward_logits
     from megatron_jf.models.gpt import new_kv_cache
@@ -93,11 +93,12 @@ def test_one_row_products_take_the_packed_weights(dtype, monkeypatch, mp1):
     _, m = _pair("qwen2", False, seed=4)
     if dtype == "bf16":
         m = m.to(torch.bfloat16)
-    knob = "PACKED_MIN_MACS" if dtype == "bf16" else "PACKED_ONE_ROW_MIN"
     prompt = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(2))
     step = {}
-    for mode, threshold in (("packed", 0), ("transposed", 1 << 62), ("megatron", 0)):
-        monkeypatch.setattr(lean_forward, knob, threshold)
+    modes = (("packed", 0), ("megatron", 0)) if dtype == "bf16" else (("packed", 0), ("transposed", 1 << 62),
+                                                                       ("megatron", 0))
+    for mode, threshold in modes:
+        monkeypatch.setattr(lean_forward, "PACKED_ONE_ROW_MIN", threshold)  # fp32's knob; bf16 always packs
         lf = lean_forward.lean_forward_for(m)
         impl = "megatron" if mode == "megatron" else "lean"
         cache = new_kv_cache(m, 1, 16)
@@ -109,7 +110,7 @@ def test_one_row_products_take_the_packed_weights(dtype, monkeypatch, mp1):
             assert bool(lf._wp) == (mode == "packed" and lf.packed), mode  # the one-row step's products went packed
     scale = float(step["megatron"].abs().max())
     tol = 0.03 * scale if dtype == "bf16" else 1e-5 * max(scale, 1.0)
-    for mode in ("packed", "transposed"):
+    for mode in step:
         assert float((step[mode] - step["megatron"]).abs().max()) <= tol, mode
     assert int(step["packed"].argmax()) == int(step["megatron"].argmax())
 

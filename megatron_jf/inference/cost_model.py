@@ -51,8 +51,8 @@ BUDGET_S = 4.0
 #: shared core).
 REPS = 3
 #: Bump when the measurement or the forward it times changes (old cache files are then ignored). 6: bf16 one-row
-#: products through oneDNN's packed weights (lean forward); 7: large fp32 one-row products too.
-VERSION = 7
+#: products through oneDNN's packed weights (lean forward); 7: large fp32 one-row products too; 8: every bf16 product.
+VERSION = 8
 
 
 def _device_name(device: torch.device) -> str:

@@ -157,10 +157,11 @@ class LeanForward:
         :data:`PACKED_MIN_MACS` multiply-adds (a 2-4 token draft through a 256-hidden model's weights) use the
         transposed copy as one-row products do; one-row products through weights of :data:`PACKED_ONE_ROW_MIN`
         elements or more (a large output layer) take the packed copy. bf16 weights take the packed copy for
-        one-row products too:
+        one-row products too, and small products at any row count:
         oneDNN's native bf16 kernels (AVX-512 BF16) read half the bytes, where a bf16 ``x @ W_t`` is slower than
         fp32's (SmolLM2-135M's products at one row: 2.8 ms packed bf16 against 8.0 ms fp32 per layer's set of
-        weights with the output layer, one thread).
+        weights with the output layer; a 256-hidden model's at 1-4 rows: 12-20 us packed, 15-33 us through a bf16
+        transposed copy; one thread).
         """
         if self.emb.weight.device.type != "cpu":
             return set()
@@ -180,11 +181,13 @@ class LeanForward:
             return F.linear(x, w, bias)
         key = (w._version, w.data_ptr(), w.dtype)
         rows = x.numel() // x.shape[-1]
-        if rows > 1 or w.dtype == torch.bfloat16:
+        if w.dtype == torch.bfloat16:
+            packed = True
+        elif rows > 1:
             packed = rows * w.numel() >= PACKED_MIN_MACS
         else:
             packed = w.numel() >= PACKED_ONE_ROW_MIN
-        if packed:  # several rows of a large product, a bf16 one or a large one-row one (see _gemv_policy)
+        if packed:  # several rows of a large product, a large one-row one or any bf16 one (see _gemv_policy)
             if not self.packed or x.dtype != w.dtype or torch.is_autocast_enabled("cpu"):
                 return F.linear(x, w, bias)
             hit = self._wp.get(name)
