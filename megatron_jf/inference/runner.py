@@ -114,8 +114,7 @@ class ModelRunner:
         keys/values into cache rows ``base, base+1, ...`` and commit them. Returns the wall seconds it took,
         device work included."""
         t0 = time.perf_counter()
-        together = self.prefill_together
-        groups = [list(range(len(prompts)))] if together else [[i] for i in range(len(prompts))]
+        groups = [list(range(len(prompts)))] if self.prefill_together else [[i] for i in range(len(prompts))]
         for rows in groups:
             n = len(rows)
             P = max(len(prompts[i]) for i in rows)
