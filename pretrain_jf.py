@@ -147,7 +147,7 @@ def train_valid_datasets_provider(cfg: TrainConfig, model_args):
                                                  seed=cfg.seed, shuffle=shuffle, rank=rank, world_size=world),
                                collate_text)
     else:
-        from megatron_jf.data.dataset import TrajectoryDataset
+        from megatron_jf.data.dataset import LENGTH_GROUP_MICRO_BATCHES, TrajectoryDataset
         from megatron_jf.training.attention_paths import build_jf_batch
 
         pad = model_args.pad_token_id if model_args.pad_token_id is not None else (
@@ -161,7 +161,10 @@ def train_valid_datasets_provider(cfg: TrainConfig, model_args):
             ds = TrajectoryDataset(paths, window_size=cfg.window_size, schedule=cfg.noise_schedule, seed=cfg.seed,
                                    consistency=cfg.consistency_positions, block_size=cfg.block_size,
                                    shuffle=shuffle, rank=rank, world_size=world, remainder="drop", batch_size=1,
-                                   resample_noise_per_epoch=cfg.resample_noise_per_epoch and shuffle)
+                                   resample_noise_per_epoch=cfg.resample_noise_per_epoch and shuffle,
+                                   length_group_size=LENGTH_GROUP_MICRO_BATCHES * cfg.micro_batch_size
+                                   if cfg.group_by_length and shuffle else 0,
+                                   micro_batch_size=cfg.micro_batch_size)
             ds.read_record(0)  # fail fast on a block-size mismatch or an unreadable first record
             return DatasetSpec(ds, collate)
     return make(cfg.data, True), (make(cfg.valid_data, False) if cfg.valid_data else None)

@@ -132,6 +132,24 @@ def test_resample_noise_flag_reaches_the_training_dataset(work):
     assert all(targets(off.dataset, e) == targets(off.dataset, 0) for e in (1, 2, 3))
 
 
+def test_group_by_length_flag_reaches_the_training_dataset(work):
+    """--group-by-length reaches the training dataset (groups of 50 micro-batches, the micro-batch size its unit) and
+    reorders its epoch (the same samples); validation keeps the plain order."""
+    import pretrain_jf
+    from megatron_jf.models.hf_config import ModelArgs
+    from megatron_jf.training.config import parse_config
+
+    argv = ["--hf-config", os.path.join(work, "hf"), "--data", os.path.join(work, "train"), "--valid-data",
+            os.path.join(work, "train"), "--block-size", "4", "--train-steps", "1", "--micro-batch-size", "2"]
+    args = ModelArgs.from_hf_dir(os.path.join(work, "hf"))
+    on, valid = pretrain_jf.train_valid_datasets_provider(parse_config(argv + ["--group-by-length"]), args)
+    off, _ = pretrain_jf.train_valid_datasets_provider(parse_config(argv), args)
+    assert (on.dataset.length_group_size, on.dataset.micro_batch_size) == (100, 2)
+    assert valid.dataset.length_group_size == 0 and off.dataset.length_group_size == 0
+    a, b = on.dataset.rank_indices().tolist(), off.dataset.rank_indices().tolist()
+    assert a != b and sorted(a) == sorted(b)
+
+
 # ----------------------------------------------------------------------------- optimisation
 def test_few_steps_on_a_fixed_batch_reduce_the_loss(work):
     cfg = parallel_config(work, "two_stream_kl", data=[os.path.join(work, "fixed")], micro_batch_size=2,

@@ -15,10 +15,17 @@ Sample order, splitting and resumption (all deterministic given ``seed``):
    permutation (``remainder="wrap"``: ``(-N) mod W`` samples are seen twice). Rank ``r`` of ``W``
    takes positions ``r, r + W, r + 2W, ...``. Every rank therefore yields exactly the same number
    of samples, so data-parallel ranks never desynchronise.
-3. Resumption: :meth:`TrajectoryDataset.set_start` skips the first ``num_consumed`` samples of
+3. Length grouping (optional, ``length_group_size > 0``; Hugging Face's ``group_by_length``): the rank's list is
+   cut into consecutive groups of ``length_group_size`` samples; each group is sorted by sample length (longest
+   first, ties in list order), cut into micro-batches of ``micro_batch_size`` and those micro-batches are shuffled
+   within the group (seeded by ``seed``, epoch, rank and group). Each micro-batch then holds samples of similar
+   length, so row padding (the ``two_stream`` and ``dense`` paths pad rows to the longest) nearly vanishes, while
+   the epoch still covers the same samples and the order stays reproducible. Groups are aligned to the start of
+   each epoch, which matches the trainer's micro-batches when ``micro_batch_size`` divides ``samples_per_rank``.
+4. Resumption: :meth:`TrajectoryDataset.set_start` skips the first ``num_consumed`` samples of
    this rank's list for the current epoch (the trainer counts consumed samples; the dataset
    cannot, because workers prefetch).
-4. Workers: the rank's remaining list is cut into consecutive chunks of ``batch_size`` samples and
+5. Workers: the rank's remaining list is cut into consecutive chunks of ``batch_size`` samples and
    chunk ``c`` goes to worker ``c mod num_workers``. ``torch.utils.data.DataLoader`` collects
    batches from workers round-robin, so with ``DataLoader(batch_size=batch_size)`` the loader yields
    exactly the rank's list in order, whatever the number of workers -- which is what makes
@@ -49,10 +56,14 @@ from .packing import (
     to_two_stream,
 )
 from .schedule import SCHEDULES, derive_seed, epoch_phase
-from .shards import ShardEntry, expand_sources, index_shard, read_record
+from .shards import ShardEntry, expand_sources, index_shard, read_lengths, read_record
 from .trajectory import TrajectoryRecord
 
-__all__ = ["EpochCursor", "TrajectoryDataset", "collate_packed", "collate_two_stream", "portable_permutation"]
+__all__ = ["LENGTH_GROUP_MICRO_BATCHES", "EpochCursor", "TrajectoryDataset", "collate_packed", "collate_two_stream",
+           "portable_permutation"]
+
+#: Micro-batches per length group of ``--group-by-length`` (Hugging Face's ``LengthGroupedSampler`` megabatch).
+LENGTH_GROUP_MICRO_BATCHES = 50
 
 
 def portable_permutation(n: int, seed: int) -> torch.Tensor:
@@ -137,6 +148,8 @@ class TrajectoryDataset(EpochCursor, IterableDataset):
         rank, world_size: the *data-parallel* rank and size (not the global rank).
         remainder: ``"drop"`` or ``"wrap"``; see the module docstring.
         batch_size: the DataLoader batch size (worker chunk size; see the module docstring).
+        length_group_size: samples per length group (0: off; > 0: see point 3 of the module docstring).
+        micro_batch_size: samples per micro-batch, the unit shuffled within a length group.
         resample_noise_per_epoch: if True each record's noisy states are re-drawn every epoch: the ``random``
             schedule with seed ``derive_seed(seed, epoch)``, ``progressive`` / ``reverse`` with the ramp shifted by
             :func:`~megatron_jf.data.schedule.epoch_phase` (epoch 0 is the schedule as written); otherwise every
@@ -168,6 +181,8 @@ class TrajectoryDataset(EpochCursor, IterableDataset):
         batch_size: int = 1,
         resample_noise_per_epoch: bool = False,
         eos_id: int | None = None,
+        length_group_size: int = 0,
+        micro_batch_size: int = 1,
     ) -> None:
         super().__init__()
         if schedule not in SCHEDULES:
@@ -186,6 +201,12 @@ class TrajectoryDataset(EpochCursor, IterableDataset):
             raise ValueError(f"window_size must be >= 1, got {window_size}")
         if max_seq_len is not None and max_seq_len < 1:
             raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+        if length_group_size < 0 or micro_batch_size < 1:
+            raise ValueError(f"need length_group_size >= 0 and micro_batch_size >= 1, got {length_group_size}, "
+                             f"{micro_batch_size}")
+        self.length_group_size = length_group_size
+        self.micro_batch_size = micro_batch_size
+        self._lengths: torch.Tensor | None = None
         self.window_size = window_size
         self.schedule = schedule
         self.seed = seed
@@ -244,7 +265,38 @@ class TrajectoryDataset(EpochCursor, IterableDataset):
             perm = torch.arange(N, dtype=torch.int64)
         total = self.samples_per_rank * W
         order = perm[torch.arange(total) % N]  # drop: a prefix; wrap: wraps to the start
-        return order[self.rank :: W]
+        mine = order[self.rank :: W]
+        return self._group_by_length(mine, epoch) if self.length_group_size else mine
+
+    def sample_lengths(self) -> torch.Tensor:
+        """int64 ``[N]``: each sample's ``prompt + response`` tokens (one stream of the packed sequence), read from
+        the shards' JSON headers once and cached.
+
+        Raises:
+            ValueError: a shard's header cannot be read (naming it).
+        """
+        if self._lengths is None:
+            by_shard: dict[int, list[ShardEntry]] = {}
+            for si, e in self.entries:
+                by_shard.setdefault(si, []).append(e)
+            lens: list[int] = []
+            for si in range(len(self.shard_paths)):  # entries are in shard order (see __init__)
+                lens.extend(p + r for p, r in read_lengths(self.shard_paths[si], by_shard.get(si, [])))
+            self._lengths = torch.tensor(lens, dtype=torch.int64)
+        return self._lengths
+
+    def _group_by_length(self, idx: torch.Tensor, epoch: int) -> torch.Tensor:
+        """``idx`` reordered into length groups (point 3 of the module docstring)."""
+        lengths = self.sample_lengths()
+        G, mb = self.length_group_size, self.micro_batch_size
+        out = []
+        for g, lo in enumerate(range(0, idx.shape[0], G)):
+            grp = idx[lo:lo + G]
+            grp = grp[torch.sort(-lengths[grp], stable=True).indices]  # longest first, ties in list order
+            batches = list(torch.split(grp, mb))
+            perm = portable_permutation(len(batches), derive_seed("jf-length-groups", self.seed, epoch, self.rank, g))
+            out.extend(batches[i] for i in perm.tolist())
+        return torch.cat(out) if out else idx
 
     def worker_indices(self, worker_id: int = 0, num_workers: int = 1) -> torch.Tensor:
         """Global indices yielded by one DataLoader worker for the current epoch and start."""

@@ -272,6 +272,28 @@ def read_record(path: str, entry: ShardEntry, fh: BinaryIO | None = None) -> Tra
     return decode_record(j, z, s, where=where)
 
 
+def read_lengths(path: str, entries: Sequence[ShardEntry]) -> list[tuple[int, int]]:
+    """``(prompt tokens, response tokens)`` of each of ``entries`` of the shard at ``path``, from the samples' JSON
+    headers only (their arrays are not read): what a length-grouped sampler needs.
+
+    Raises:
+        ValueError: naming the shard and key, on a read error or a header without ``prompt_len`` / ``block_lens``.
+    """
+    out = []
+    try:
+        with open(path, "rb") as fh:
+            for e in entries:
+                where = f"shard {path}, key {e.key}"
+                try:
+                    meta = json.loads(_read_exact(fh, e.json, where))
+                    out.append((int(meta["prompt_len"]), int(sum(meta["block_lens"]))))
+                except (KeyError, TypeError, json.JSONDecodeError) as err:
+                    raise ValueError(f"{where}: bad header ({type(err).__name__}: {err})") from err
+    except OSError as e:
+        raise ValueError(f"shard {path}: read error: {e}") from e
+    return out
+
+
 def iter_shard(path: str) -> Iterator[TrajectoryRecord]:
     """Yield the records of one shard in stored order (the whole shard is indexed, i.e. checked, first).
 

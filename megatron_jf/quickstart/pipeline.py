@@ -127,6 +127,7 @@ class Preset:
     # (the official code's: offsets from the first unconverged token)
     consistency_positions: str = "all"
     resample_noise: bool = False  # re-draw each record's noisy states every epoch (--resample-noise-per-epoch)
+    group_by_length: bool = False  # JF rounds: micro-batches of similar-length trajectories (--group-by-length)
     # what L_AR (paper Eq. 9, weight jf_ar_weight) trains on: "self" (the clean blocks: the model's own greedy
     # output, the paper's), "ground_truth" (CLLM's use_gt_labels: the training prompts with their ground-truth
     # answers, math domain only; next-token CE on them through pretrain_jf.py's --anchor-data rows, with --ar-weight 0
@@ -565,6 +566,7 @@ class Pipeline:
                       "--anchor-seq-length", p.pretrain_seq, "--anchor-micro-batch-size", p.anchor_mbs]
         recipe = ["--consistency-positions", p.consistency_positions]
         recipe += ["--resample-noise-per-epoch"] if p.resample_noise else []
+        recipe += ["--group-by-length"] if p.group_by_length else []
         self.run(["pretrain_jf.py", "--objective", "jf", *self._train_precision(), "--load", self.path(init),
                   "--data", self.path(data), *anchor, *recipe,
                   "--block-size", n, "--window-size", w, "--micro-batch-size", p.jf_mbs, "--train-steps", steps,

@@ -163,6 +163,13 @@ class TrainConfig:
     """Re-draw each record's noisy states every epoch (progressive / reverse: the ramp shifted per record and epoch;
     random: a new draw; the first epoch is the schedule as written). Off: every epoch packs the same state per
     block (one epoch, as the paper trains, is the same either way)."""
+    group_by_length: bool = False
+    """Fill each micro-batch with training samples of similar length (Hugging Face's ``group_by_length``): this
+    rank's shuffled order is cut into groups of 50 micro-batches, each sorted by length and its micro-batches shuffled
+    (:mod:`megatron_jf.data.dataset`, point 3). The ``two_stream`` and ``dense`` paths pad a micro-batch's rows to
+    its longest; on trajectories whose lengths vary (EOS anywhere in the response) that padding is a third of the
+    step's compute or more. Same samples per epoch, exact resume; the step-to-step loss gets noisier (a step's rows
+    are all long or all short)."""
     seq_length: int | None = None
     """Model-input row length bound. jf: maximum (two-stream ``P+R``, dense ``P+2R``), padded to it when --pp > 1
     with --no-variable-seq-lengths; default: the model context (dense path: twice it). ar: tokens per sample
