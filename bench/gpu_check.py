@@ -679,7 +679,8 @@ def main(argv: list[str] | None = None) -> int:
                         "[/<mask>]' for one training-matrix row (rerunning a few rows inside a short lease); "
                         "rows not run say 'not selected'")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="start no training job after this many seconds (default 390 on GPU, 600 dry)")
+                   help="start no training job after this many seconds less the decode rows' 240 s on GPU "
+                        "(default 450 on GPU, 600 dry)")
     a = p.parse_args(argv)
     want = {x.strip() for x in a.sections.split(",") if x.strip()}
     unknown = {x for x in want if x not in SECTIONS and not x.startswith("train:")}
@@ -693,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: no CUDA device; run with --dry-run on CPU", file=sys.stderr)
         return 1
     dry = not gpu
-    budget = a.budget_s or (390.0 if gpu else 600.0)
+    budget = a.budget_s or (450.0 if gpu else 600.0)  # H200 2026-12-04: 11 training jobs end by ~160 s, decode ~85 s
     work = a.work or os.path.join("/tmp", "gpu_check_work" + ("_dry" if dry else ""))
     os.makedirs(work, exist_ok=True)
     print(f"gpu_check: {'GPU' if gpu else 'DRY RUN (CPU, tiny models, fp32, torch AdamW)'}; work {work}", flush=True)
