@@ -183,19 +183,22 @@ PRESETS = {
     # noisy states drawn once, as the official code's pre-generated data has them: at 2 epochs they measured better
     # than re-drawn ones on every axis, and re-drawn ones made the output on held-out templates repetitive,
     # distinct-4 0.22 vs 0.50) and the AR term on both the model's own output and the ground truth. Trajectories and
-    # steps grow together at 2 epochs (1,500 steps x 8 = 2 x 6,000): 2,000 / 500 gave held-out Jacobi TPF +0.23 at
-    # answer-NLL drift +0.105, 6,000 / 1,500 +0.37 at +0.074, in ~40 min end to end on the 2 cores (12,000 / 3,000:
-    # +0.51 at +0.070, ~62 min). Where it departs from the paper (Sec. 4.1), and why: one round, not n=16 then n=32,
-    # because the 45-minute budget buys more round-1 trajectories instead (`rounds=2` runs the paper's second round;
-    # not measured in this domain); lr 3e-4, not the paper's 1e-6 (set for its 450k prompts), because in the few
-    # thousand steps this budget has, lr 1e-4 already gave less gain and more drift than 3e-4 (docs/results.md).
-    # Sizes and the arms: docs/results.md ("Math domain").
+    # steps grow together at 2 epochs (steps x 8 = 2 x trajectories): 2,000 / 500 gave held-out Jacobi TPF +0.23 at
+    # answer-NLL drift +0.105, 6,000 / 1,500 +0.37 at +0.074 (12,000 / 3,000: +0.51 at +0.070, ~62 min).
+    # Micro-batches of similar-length trajectories (group_by_length: the rows were padded 1.56x; JF step 0.69 ->
+    # 0.55 s, 6,000 / 1,500 then +0.39 at +0.079) buy the 7,000 / 1,750 that fit the 45 minutes. Measured and not
+    # taken: --pc-weight 2 (+0.44 at drift +0.136, right steps -8.7 points), windows w=4 / w=8 (+0.36 each, more
+    # repetitive on held-out templates). Where it departs from the paper (Sec. 4.1), and why: one round, not n=16
+    # then n=32, because the 45-minute budget buys more round-1 trajectories instead (`rounds=2` runs the paper's
+    # second round; not measured in this domain); lr 3e-4, not the paper's 1e-6 (set for its 450k prompts), because in
+    # the few thousand steps this budget has, lr 1e-4 already gave less gain and more drift than 3e-4
+    # (docs/results.md). Sizes and the arms: docs/results.md ("Math domain").
     "default": Preset("default", corpus="gsm_symbolic", vocab_size=1024, n_pretrain_problems=40000, drill_fraction=0.2,
-                      pretrain_steps=1500, pretrain_seq=256, pretrain_mbs=16, pretrain_lr=3e-3, n_train_prompts=6000,
+                      pretrain_steps=1500, pretrain_seq=256, pretrain_mbs=16, pretrain_lr=3e-3, n_train_prompts=7000,
                       n_eval_prompts=200, n_eval_template_prompts=100, response_tokens=224, collect_batch=128,
-                      collect_procs=2, rounds=1, n1=16, w1=16, jf1_steps=1500, jf_mbs=8, jf_lr=3e-4, anchor_weight=0.0,
+                      collect_procs=2, rounds=1, n1=16, w1=16, jf1_steps=1750, jf_mbs=8, jf_lr=3e-4, anchor_weight=0.0,
                       consistency_positions="from_first_diff", resample_noise=False, repetition_filter=True,
-                      ar_target="both",
+                      ar_target="both", group_by_length=True,
                       eval_block_sizes=(8, 16, 32), timing_prompts=4, fit_prompts=16, noisy_prompts=100,
                       report_models=("base", "jf1"), precision="auto"),
     # The code domain (`--code`; the default until 2026-12): a 4-layer, 256-hidden model pretrained on the source of
