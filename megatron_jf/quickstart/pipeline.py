@@ -762,8 +762,8 @@ def main(argv=None):
               "learning curve 43 min; docs/quickstart_real/). A loaded machine takes proportionally longer.",
               flush=True)
     elif preset.name == "default":
-        print("default preset: model A (GSM-Symbolic word problems) end to end, about 40 minutes on 2 idle CPU cores "
-              "(pretraining 12, trajectories 7, Jacobi Forcing 15, report 5; docs/quickstart_default/).", flush=True)
+        print("default preset: model A (GSM-Symbolic word problems) end to end, about 39 minutes on 2 idle CPU cores "
+              "(pretraining 11, trajectories 8, Jacobi Forcing 15, report 4; docs/quickstart_default/).", flush=True)
     changed = {f: getattr(preset, f) for f in knobs if getattr(preset, f) != getattr(named_preset(preset.name), f)}
     if changed:
         print(f"recipe changed from the preset ({', '.join(f'{k}={v}' for k, v in changed.items())}): the time above "
