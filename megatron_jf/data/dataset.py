@@ -242,6 +242,8 @@ class TrajectoryDataset(EpochCursor, IterableDataset):
             raise ValueError(
                 f"dataset has {len(self.entries)} samples, fewer than world_size={world_size} (remainder='drop' leaves ranks empty)"
             )
+        if length_group_size:
+            self.sample_lengths()  # now, so that DataLoader workers (forked every epoch) inherit the lengths
 
     # ------------------------------------------------------------------ order
     @property
