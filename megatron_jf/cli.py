@@ -48,7 +48,7 @@ DEFAULT_MAX_NEW_TOKENS = 256
 # ----------------------------------------------------------------------------------------------- help
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Keeps the module docstring's layout and ends every optional flag's help with its default: ``(default:
-    %(default)s)`` unless the help already states it, ``(required)`` for a required flag. Defaults read as users
+    %(default)s)`` unless the help already states it (``default: ...``), ``(required)`` for a required flag. Defaults read as users
     type them: switches ``on``/``off``, ``None`` as ``none`` (a help whose ``None`` means something else says so),
     lists comma-separated."""
 
@@ -58,7 +58,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
             return text
         if action.required:
             return text if "required" in text else f"{text} (required)"
-        if "default" in text.lower():
+        if "default:" in text.lower():  # the help states its default itself; a passing "the default X" does not
             return text
         return f"{text} (default: %(default)s)"
 

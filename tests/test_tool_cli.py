@@ -3,6 +3,7 @@ aliases, and help that shows every default (issue 13, "Flags users already know"
 
 The HF folder is a real tiny ``save_pretrained`` output (:func:`megatron_jf.testing.save_tiny_hf`).
 """
+import argparse
 import importlib.util
 import os
 import subprocess
@@ -133,6 +134,20 @@ def test_every_flag_has_help_showing_its_default(name):
         text = fmt._get_help_string(action)
         assert "default" in text or "required" in text, f"{name} {action.option_strings}: {text!r}"
     assert "(default: " in p.format_help()
+
+
+def test_a_help_that_mentions_the_word_default_still_shows_the_flags_default():
+    """Only a help that states its default (``default: ...``) is left as written: one that merely says "the default
+    quickstart" (--group-by-length's) lost its ``(default: off)`` and failed CI."""
+    from megatron_jf.cli import HelpFormatter
+
+    p = argparse.ArgumentParser(formatter_class=HelpFormatter)
+    p.add_argument("--grouped", action=argparse.BooleanOptionalAction, default=False,
+                   help="padding was 1.56x on the default quickstart")
+    p.add_argument("--rows", type=int, default=3, help="rows per step; default: one per rank")
+    text = " ".join(p.format_help().split())
+    assert "default quickstart (default: off)" in text
+    assert "default: one per rank" in text and "(default: 3)" not in text
 
 
 @pytest.mark.parametrize("name,megatron,ours", [
