@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -6,8 +8,11 @@ import tempfile
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# measured forward costs (draft_width="auto") go to a directory of this test session, not the user's cache
-os.environ.setdefault("MEGATRON_JF_COST_CACHE", tempfile.mkdtemp(prefix="jf-cost-"))
+# measured forward costs (draft_width="auto") go to a directory of this test session, not the user's cache; the
+# session that made it removes it (each run used to leave one /tmp/jf-cost-* behind)
+if "MEGATRON_JF_COST_CACHE" not in os.environ:
+    os.environ["MEGATRON_JF_COST_CACHE"] = _COST_CACHE = tempfile.mkdtemp(prefix="jf-cost-")
+    atexit.register(shutil.rmtree, _COST_CACHE, ignore_errors=True)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
