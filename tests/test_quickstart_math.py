@@ -58,20 +58,6 @@ def _flag(args, flag):
     return args[args.index(flag) + 1] if flag in args else None
 
 
-def test_base_pretraining_decays_to_the_presets_min_lr(tmp_path, monkeypatch):
-    """The default's base anneals to lr/100 (its arithmetic is learned late in the decay); a preset without
-    ``pretrain_min_lr`` keeps lr/10."""
-    for kw, want in (({}, 3e-5), ({"pretrain_min_lr": None}, 3e-4)):
-        pipe = _pipe(tmp_path, **kw)
-        monkeypatch.setattr(pipe, "_hf_config_dir", lambda: tmp_path)
-        calls = []
-        monkeypatch.setattr(pipe, "run", lambda args, stage: calls.append([str(a) for a in args]))
-        pipe.stage_base()
-        a = calls[-1]
-        assert float(_flag(a, "--lr")) == 3e-3 and float(_flag(a, "--min-lr")) == pytest.approx(want)
-        assert int(_flag(a, "--train-steps")) == P.PRESETS["default"].pretrain_steps
-
-
 def test_recipe_options_reach_pretrain_jf(tmp_path, monkeypatch):
     pipe = _pipe(tmp_path)
     pipe.out.mkdir(parents=True, exist_ok=True)

@@ -64,7 +64,6 @@ class Preset:
     pretrain_seq: int = 256
     pretrain_mbs: int = 16
     pretrain_lr: float = 2e-3
-    pretrain_min_lr: float | None = None  # where the cosine ends (None: pretrain_lr / 10)
     prompt_tokens: int = 64
     n_train_prompts: int = 512
     n_eval_prompts: int = 24
@@ -186,10 +185,6 @@ PRESETS = {
     # distinct-4 0.22 vs 0.50) and the AR term on both the model's own output and the ground truth. Trajectories and
     # steps grow together at 2 epochs (steps x 8 = 2 x trajectories): 2,000 / 500 gave held-out Jacobi TPF +0.23 at
     # answer-NLL drift +0.105, 6,000 / 1,500 +0.37 at +0.074 (12,000 / 3,000: +0.51 at +0.070, ~62 min).
-    # The base: 2,000 pretraining steps with the cosine ending at lr/100, because its arithmetic was learned late in
-    # the decay: 1,500 steps ending at lr/10 gave 5 % exact answers / 34.6 % right steps on the held-out problems
-    # (1,125 of them: 16 %), and 500 more steps from there decaying 3e-4 -> 3e-5 gave 11.5 % / 51.3 % (on 200 JF
-    # training problems, which pretraining never saw: 8 % / 29.5 % -> 9 % / 45.8 %).
     # Micro-batches of similar-length trajectories (group_by_length: the rows were padded 1.56x; JF step 0.69 ->
     # 0.55 s, 6,000 / 1,500 then +0.39 at +0.079) buy the 7,000 / 1,750 that fit the 45 minutes. Measured and not
     # taken: --pc-weight 2 (+0.44 at drift +0.136, right steps -8.7 points), windows w=4 / w=8 (+0.36 each, more
@@ -199,8 +194,7 @@ PRESETS = {
     # the few thousand steps this budget has, lr 1e-4 already gave less gain and more drift than 3e-4
     # (docs/results.md). Sizes and the arms: docs/results.md ("Math domain").
     "default": Preset("default", corpus="gsm_symbolic", vocab_size=1024, n_pretrain_problems=40000, drill_fraction=0.2,
-                      pretrain_steps=2000, pretrain_seq=256, pretrain_mbs=16, pretrain_lr=3e-3, pretrain_min_lr=3e-5,
-                      n_train_prompts=7000,
+                      pretrain_steps=1500, pretrain_seq=256, pretrain_mbs=16, pretrain_lr=3e-3, n_train_prompts=7000,
                       n_eval_prompts=200, n_eval_template_prompts=100, response_tokens=224, collect_batch=128,
                       collect_procs=2, rounds=1, n1=16, w1=16, jf1_steps=1750, jf_mbs=8, jf_lr=3e-4, anchor_weight=0.0,
                       consistency_positions="from_first_diff", resample_noise=False, repetition_filter=True,
@@ -423,8 +417,7 @@ class Pipeline:
                   "--tokenizer", self.path("tokenizer"),
                   "--data", self.path("tokens_train.npy"), "--valid-data", self.path("tokens_heldout.npy"),
                   "--seq-length", p.pretrain_seq, "--micro-batch-size", p.pretrain_mbs,
-                  "--train-steps", p.pretrain_steps, "--lr", p.pretrain_lr,
-                  "--min-lr", p.pretrain_lr / 10 if p.pretrain_min_lr is None else p.pretrain_min_lr,
+                  "--train-steps", p.pretrain_steps, "--lr", p.pretrain_lr, "--min-lr", p.pretrain_lr / 10,
                   "--warmup-steps", max(1, p.pretrain_steps // 20), "--weight-decay", 0.1,
                   "--save", self.path("base"), "--save-interval", max(10, p.pretrain_steps // 4),
                   "--log-interval", max(1, p.pretrain_steps // 20), "--threads", p.threads,
