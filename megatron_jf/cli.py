@@ -48,9 +48,9 @@ DEFAULT_MAX_NEW_TOKENS = 256
 # ----------------------------------------------------------------------------------------------- help
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Keeps the module docstring's layout and ends every optional flag's help with its default: ``(default:
-    %(default)s)`` unless the help already states it (``default: ...``), ``(required)`` for a required flag. Defaults read as users
-    type them: switches ``on``/``off``, ``None`` as ``none`` (a help whose ``None`` means something else says so),
-    lists comma-separated."""
+    %(default)s)`` unless the help already states it (``default: ...``), ``(required)`` for a required flag.
+    Defaults read as users type them: switches ``on``/``off``, ``None`` as ``none`` (a help whose ``None`` means
+    something else says so), lists comma-separated."""
 
     def _get_help_string(self, action):
         text = action.help or ""
