@@ -27,16 +27,19 @@ def _summary(final_warning=None, base_warning=None):
 
 def test_flagged_models_never_meet_a_target():
     ok = interpretation_markdown(_summary())
-    assert "target >= 1.5 met" in ok and "target <= 0.1 met" in ok and "not meaningful" not in ok
+    assert "target TPF > 1.13 at drift <= 0.1 met" in ok and "target <= 0.1 met" in ok and "not meaningful" not in ok
     md = interpretation_markdown(_summary(final_warning=DEGENERATE))
     assert " met" not in md and "missed" not in md  # neither verdict next to a flag
     assert md.count("not meaningful (JF round 2: degenerate output, L_pc identically zero)") == 2
     md = interpretation_markdown(_summary(base_warning="DEGENERATE OUTPUT: 100% of generated tokens are one token"))
     assert md.count("not meaningful (base: degenerate output)") == 2 and " met" not in md
-    # the TPF shortfall is still quantified when nothing is flagged
+    # a miss says which half missed, to the precision that shows it, when nothing is flagged
     s = _summary()
-    s["rows"][-1]["tpf"] = 1.2
-    assert "target >= 1.5 missed by 0.30" in interpretation_markdown(s)
+    s["rows"][-1]["tpf"] = 1.1298
+    assert "1.05 -> 1.13 at held-out NLL drift +0.050: target TPF > 1.13 at drift <= 0.1 missed (TPF 1.130 <= 1.13)" \
+        in interpretation_markdown(s)
+    s["rows"][-1]["nll"] = s["rows"][-2]["nll"] = 3.2
+    assert "missed (TPF 1.130 <= 1.13, drift +0.200)" in interpretation_markdown(s)
 
 
 def test_pass_at_1_target_is_one_sided():

@@ -14,7 +14,9 @@ __all__ = ["TARGET_TPF", "TARGET_NLL_DRIFT", "TARGET_PASS_DELTA", "TARGET_TPF_GA
            "TARGET_DISTINCT4_DROP", "math_targets", "compare_rows", "flag_tags", "row_check",
            "warning_lines", "target_verdict", "interpretation_markdown"]
 
-TARGET_TPF = 1.5  #: Jacobi TPF at n=32 the real-model recipe aims for
+#: Model B (issue 31): the Jacobi TPF to pass with held-out NLL drift <= TARGET_NLL_DRIFT -- the best measured earlier
+#: at kept quality (round 2 with the anchor term: 1.13); the earlier ">= 1.5" target is retired
+TARGET_TPF = 1.13
 TARGET_NLL_DRIFT = 0.1  #: nats/token of held-out NLL increase allowed
 TARGET_PASS_DELTA = 2  #: problems of pass@1 the final model may lose against base (gains always meet the target)
 TARGET_TPF_GAIN = 0.5  #: math domain: held-out Jacobi TPF gain of the final model over the base model
@@ -131,10 +133,13 @@ def interpretation_markdown(summary: dict) -> str:
         lines += [""] + [f"- {t}" for t in math_targets(summary, base, final, flagged)]
     elif jac is not None:
         t, drift = jac["final"]["tpf"], jac["final"]["nll"] - jac["base"]["nll"]
-        tpf_v = target_verdict(t >= TARGET_TPF, flagged, pair)
+        tpf_v = target_verdict(t > TARGET_TPF and drift <= TARGET_NLL_DRIFT, flagged, pair)
         nll_v = target_verdict(drift <= TARGET_NLL_DRIFT, flagged, pair)
-        lines += ["", f"- Jacobi TPF {jac['base']['tpf']:.2f} -> {t:.2f}: target >= {TARGET_TPF} "
-                      f"{f'missed by {TARGET_TPF - t:.2f}' if tpf_v == 'missed' else tpf_v}. TPF counts tokens per "
+        if tpf_v == "missed":  # say which half missed, to the precision that shows it (1.4997 is not 1.50)
+            short = [f"TPF {t:.3f} <= {TARGET_TPF}"] if t <= TARGET_TPF else []
+            tpf_v += f" ({', '.join(short + ([f'drift {drift:+.3f}'] if drift > TARGET_NLL_DRIFT else []))})"
+        lines += ["", f"- Jacobi TPF {jac['base']['tpf']:.2f} -> {t:.2f} at held-out NLL drift {drift:+.3f}: target "
+                      f"TPF > {TARGET_TPF} at drift <= {TARGET_NLL_DRIFT} {tpf_v}. TPF counts tokens per "
                       "forward pass and does not depend on the machine; speedup is wall-clock and does.",
                   f"- Held-out NLL drift {drift:+.3f} nat/token: target <= {TARGET_NLL_DRIFT} {nll_v} "
                   "(teacher-forced on held-out text, which no training prompt comes from)."]
