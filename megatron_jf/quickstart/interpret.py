@@ -1,7 +1,7 @@
 """The report's "what the numbers mean" section and its warnings: base vs final Jacobi Forcing model, per
-decoder, against the targets of the quickstart (Jacobi TPF at n=32 >= 1.5, held-out NLL drift <= 0.1 nat/token,
-pass@1 at most 2 problems below base: one-sided, a gain always meets it), and the caveats of measuring on a small
-shared CPU.
+decoder, against the targets of the quickstart (code and model B: Jacobi TPF > 1.13 at held-out NLL drift <= 0.1
+nat/token, pass@1 at most 2 problems below base: one-sided, a gain always meets it; math: :func:`math_targets`), and
+the caveats of measuring on a small shared CPU.
 
 A model flagged by the report (degenerate output or ``L_pc`` identically zero, :mod:`megatron_jf.eval.degenerate`;
 ``summary["warnings"]``) is warned about once, above the tables (:func:`warning_lines`); its table rows carry a

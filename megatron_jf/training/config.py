@@ -168,8 +168,8 @@ class TrainConfig:
     rank's shuffled order is cut into groups of 50 micro-batches, each sorted by length and its micro-batches shuffled
     (:mod:`megatron_jf.data.dataset`, point 3). The ``two_stream`` and ``dense`` paths pad a micro-batch's rows to
     its longest; on trajectories whose lengths vary (EOS anywhere in the response) a third of the rows' tokens can
-    be padding (the default quickstart: 1.56x the real tokens; JF step 0.69 -> 0.55 s). Same samples per epoch, exact resume; the step-to-step loss gets noisier (a step's rows
-    are all long or all short)."""
+    be padding (the default quickstart: 1.56x the real tokens; JF step 0.69 -> 0.55 s). Same samples per epoch,
+    exact resume; the step-to-step loss gets noisier (a step's rows are all long or all short)."""
     seq_length: int | None = None
     """Model-input row length bound. jf: maximum (two-stream ``P+R``, dense ``P+2R``), padded to it when --pp > 1
     with --no-variable-seq-lengths; default: the model context (dense path: twice it). ar: tokens per sample
