@@ -94,6 +94,35 @@ def test_recipe_options_reach_pretrain_jf(tmp_path, monkeypatch):
     assert pipe.p.report_n == pipe.p.n1 == 16
 
 
+def test_second_pretraining_pass_starts_from_the_first_at_a_tenth_of_its_lr(tmp_path, monkeypatch):
+    """``pretrain_second_pass_steps``: the first pass saves to OUT/base_pass1 and a second ``pretrain_jf.py`` run
+    loads it (new optimizer, iteration 0) into OUT/base, the checkpoint every later stage reads, at lr peak/10 ->
+    peak/100; without it the first pass saves to OUT/base itself (the other presets' layout)."""
+    pipe = _pipe(tmp_path, pretrain_steps=40, pretrain_second_pass_steps=12, pretrain_lr=2e-3)
+    calls = []
+    monkeypatch.setattr(pipe, "run", lambda args, stage: calls.append([str(a) for a in args]))
+    monkeypatch.setattr(pipe, "_hf_config_dir", lambda: tmp_path / "cfg")
+    info = pipe.stage_base()
+    assert len(calls) == 2
+    first, second = calls
+    assert _flag(first, "--save") == str(pipe.path("base_pass1")) and _flag(first, "--train-steps") == "40"
+    assert float(_flag(first, "--lr")) == 2e-3 and float(_flag(first, "--min-lr")) == 2e-4 and "--load" not in first
+    assert _flag(second, "--load") == str(pipe.path("base_pass1")) and _flag(second, "--save") == str(pipe.path("base"))
+    assert "--hf-config" not in second and _flag(second, "--train-steps") == "12"
+    assert float(_flag(second, "--lr")) == 2e-4 and float(_flag(second, "--min-lr")) == 2e-5
+    assert _flag(second, "--data") == _flag(first, "--data") and _flag(second, "--seq-length") == _flag(first, "--seq-length")
+    assert "second pass of 12 steps" in info["model"]
+    calls.clear()
+    one = P.Pipeline(pipe.out, replace(pipe.p, pretrain_second_pass_steps=0), log=lambda *a: None)
+    monkeypatch.setattr(one, "run", lambda args, stage: calls.append([str(a) for a in args]))
+    monkeypatch.setattr(one, "_hf_config_dir", lambda: tmp_path / "cfg")
+    one.stage_base()
+    assert len(calls) == 1 and _flag(calls[0], "--save") == str(pipe.path("base"))
+    # the default preset runs it (and a flag turns it off)
+    assert P.PRESETS["default"].pretrain_second_pass_steps == 500
+    assert P.PRESETS["smoke"].pretrain_second_pass_steps == 0
+
+
 def test_quality_counts_answers_and_steps():
     from megatron_jf.quickstart.math_domain import quality
 
@@ -170,9 +199,16 @@ def test_math_pipeline_end_to_end(tmp_path):
                   pretrain_mbs=4, n_pretrain_problems=200, n_train_prompts=16, n_eval_prompts=8,
                   n_eval_template_prompts=4, heldout_templates=5, vocab_size=300, response_tokens=48, collect_batch=8,
                   collect_procs=1, jf1_steps=6, jf_mbs=2, eval_block_sizes=(8, 16), timing_prompts=1, timing_rounds=1,
-                  fit_prompts=2, noisy_prompts=2, nll_chunks=4, threads=1, precision="fp32", repetition_filter=False)
+                  fit_prompts=2, noisy_prompts=2, nll_chunks=4, threads=1, precision="fp32", repetition_filter=False,
+                  pretrain_second_pass_steps=4)
     out = tmp_path / "math"
     P.Pipeline(out, pre, log=lambda *a: None).execute(None)
+    # the base is the second pretraining pass's: 4 steps from the first pass's 20-step weights
+    from megatron_jf import checkpointing
+
+    assert checkpointing.latest_iteration(out / "base_pass1") == 20 and checkpointing.latest_iteration(out / "base") == 4
+    lrs = [r["lr"] for r in map(json.loads, open(out / "base_pass2_log.jsonl")) if "lr" in r]
+    assert lrs and max(lrs) <= pre.pretrain_lr / 10 * (1 + 1e-6)
 
     def refuse(c):
         raise AssertionError(f"report.json holds {c}: not strict JSON")
