@@ -66,9 +66,9 @@ def test_recipe_options_reach_pretrain_jf(tmp_path, monkeypatch):
     # the preset's recipe: L_pc from the first unconverged token, each record's noisy states drawn once, L_AR on the
     # model's own output and on ground-truth answers (arm "C, fixed states" of docs/results.md)
     assert _flag(a, "--consistency-positions") == "from_first_diff" and "--resample-noise-per-epoch" not in a
-    assert float(_flag(a, "--ar-weight")) == 1 and float(_flag(a, "--anchor-weight")) == 1
+    assert float(_flag(a, "--ar-weight")) == 2 and float(_flag(a, "--anchor-weight")) == 2  # w=2 on both AR terms
     assert _flag(a, "--anchor-data") == str(pipe.path("tokens_gt_train.npy"))
-    self_only = replace(pipe.p, ar_target="self")
+    self_only = replace(pipe.p, ar_target="self", jf_ar_weight=1.0)
     a, _ = _jf_args(P.Pipeline(pipe.out, self_only, log=lambda *x: None), monkeypatch)
     assert float(_flag(a, "--ar-weight")) == 1 and "--anchor-data" not in a
     # L_AR on ground-truth answers: the clean blocks' AR weight goes to rows of the training prompts' answers
