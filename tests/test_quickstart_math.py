@@ -118,9 +118,15 @@ def test_second_pretraining_pass_starts_from_the_first_at_a_tenth_of_its_lr(tmp_
     monkeypatch.setattr(one, "_hf_config_dir", lambda: tmp_path / "cfg")
     one.stage_base()
     assert len(calls) == 1 and _flag(calls[0], "--save") == str(pipe.path("base"))
-    # the default preset runs it (and a flag turns it off)
+    # the default preset runs it, a flag turns it off, and a work directory resumes only with the same value
     assert P.PRESETS["default"].pretrain_second_pass_steps == 500
     assert P.PRESETS["smoke"].pretrain_second_pass_steps == 0
+    seen = []
+    monkeypatch.setattr(P.Pipeline, "execute", lambda self, until=None: seen.append(self.p))
+    P.main(["--out", str(tmp_path / "cli"), "--pretrain-second-pass-steps", "0"])
+    assert seen[-1].name == "default" and seen[-1].pretrain_second_pass_steps == 0
+    with pytest.raises(SystemExit, match=r"other preset settings \(pretrain_second_pass_steps\)"):
+        P.main(["--out", str(tmp_path / "cli")])
 
 
 def test_quality_counts_answers_and_steps():
