@@ -254,3 +254,23 @@ def test_template_gain_from_repetition_is_not_called_a_gain():
     assert "1.06 -> 2.41" in line and "-70.5 %" in line and "not a decoding gain" in line
     line = next(l for l in math_targets(summary(0.58), "base", "JF") if l.startswith("On held-out templates"))
     assert "-4.9 %" in line and "not a decoding gain" not in line
+
+
+def test_the_report_says_whether_the_base_is_strong_enough_to_measure_accuracy():
+    """The base-quality target: >= 10 % exact answers or >= 50 % right steps (either); below both the report says
+    the accuracy targets have little to lose; a flagged base makes it not meaningful."""
+    from megatron_jf.quickstart.interpret import math_targets
+
+    def line(acc, steps, n_steps=400, flagged=None):
+        rows = [{"model": m, "decoder": "Jacobi (n=16)", "tpf": 1.1, "nll": 0.2, "distinct4": 0.5} for m in ("base", "JF")]
+        q = {"accuracy": acc, "step_accuracy": steps, "steps": n_steps}
+        return next(l for l in math_targets({"rows": rows, "math_quality": {"base": q, "JF": q}}, "base", "JF", flagged)
+                    if l.startswith("Base quality"))
+
+    assert line(0.05, 0.346) == ("Base quality 5.0% exact answers, 34.6% right steps: target >= 10% exact or >= 50% "
+                                 "right steps missed (the accuracy targets below have little to lose).")
+    assert line(0.115, 0.513).endswith("met.") and line(0.08, 0.513).endswith("met.")
+    assert line(0.10, 0.2).endswith("met.") and line(0.095, 0.499).endswith("missed (the accuracy targets below have "
+                                                                          "little to lose).")
+    assert "- right steps" in line(0.0, None, n_steps=0) and line(0.0, None, n_steps=0).endswith("little to lose).")
+    assert "not meaningful (base: degenerate output)" in line(0.2, 0.6, flagged={"base": "DEGENERATE OUTPUT: ..."})

@@ -11,7 +11,7 @@ the figures of a degenerate model say nothing about Jacobi Forcing."""
 from __future__ import annotations
 
 __all__ = ["TARGET_TPF", "TARGET_NLL_DRIFT", "TARGET_PASS_DELTA", "TARGET_TPF_GAIN", "TARGET_ACCURACY_DELTA",
-           "TARGET_DISTINCT4_DROP", "math_targets", "compare_rows", "flag_tags", "row_check",
+           "TARGET_DISTINCT4_DROP", "TARGET_BASE_ACCURACY", "TARGET_BASE_STEPS", "math_targets", "compare_rows", "flag_tags", "row_check",
            "warning_lines", "target_verdict", "interpretation_markdown"]
 
 #: Model B (issue 31): the Jacobi TPF to pass with held-out NLL drift <= TARGET_NLL_DRIFT -- the best measured earlier
@@ -22,6 +22,9 @@ TARGET_PASS_DELTA = 2  #: problems of pass@1 the final model may lose against ba
 TARGET_TPF_GAIN = 0.5  #: math domain: held-out Jacobi TPF gain of the final model over the base model
 TARGET_ACCURACY_DELTA = 0.02  #: math domain: exact answers / right steps the final model may lose (fraction)
 TARGET_DISTINCT4_DROP = 0.15  #: math domain: relative drop of distinct-4 allowed
+#: math domain: the base's own quality, exact answers or right steps (fractions; either meets it) -- below both the
+#: accuracy targets have little to lose, so keeping them says little
+TARGET_BASE_ACCURACY, TARGET_BASE_STEPS = 0.10, 0.50
 
 #: short tags of the report's warnings (:func:`megatron_jf.quickstart.report._output_warnings` text -> tag)
 _TAGS = (("DEGENERATE OUTPUT", "degenerate output"), ("L_pc IDENTICALLY ZERO", "L_pc identically zero"))
@@ -67,9 +70,10 @@ def _pct(x):
 
 
 def math_targets(summary: dict, base: str, final: str, flagged: dict | None = None) -> list[str]:
-    """The math domain's targets, base vs final model, one sentence each: held-out Jacobi TPF gain >= 0.5, exact
-    answers and right steps at most 2 points below base, in-domain held-out NLL drift <= 0.1 nat/token, distinct-4
-    at most 15 % below base; each met / missed, or not meaningful when a model is flagged."""
+    """The math domain's targets, base vs final model, one sentence each: held-out Jacobi TPF gain >= 0.5, the base's
+    own quality (>= 10 % exact answers or >= 50 % right steps), exact answers and right steps at most 2 points below
+    base, in-domain held-out NLL drift <= 0.1 nat/token, distinct-4 at most 15 % below base; each met / missed, or
+    not meaningful when a model is flagged."""
     flagged, pair = flagged or {}, (base, final)
     rows = {(r["model"], r["decoder"].split(" ")[0]): r for r in summary["rows"]}
     b, f = rows[(base, "Jacobi")], rows[(final, "Jacobi")]
@@ -90,6 +94,12 @@ def math_targets(summary: dict, base: str, final: str, flagged: dict | None = No
                 line += (f", more than {100 * TARGET_DISTINCT4_DROP:.0f} % below base: the output there turned "
                          "repetitive, so that TPF is not a decoding gain")
         out.append(line + ".")
+    qb, b_steps = q[base], q[base].get("step_accuracy") if q[base].get("steps") else None
+    base_ok = qb["accuracy"] >= TARGET_BASE_ACCURACY or (b_steps is not None and b_steps >= TARGET_BASE_STEPS)
+    out.append(f"Base quality {100 * qb['accuracy']:.1f}% exact answers, {_pct(b_steps)} right steps: target >= "
+               f"{100 * TARGET_BASE_ACCURACY:.0f}% exact or >= {100 * TARGET_BASE_STEPS:.0f}% right steps "
+               f"{target_verdict(base_ok, flagged, (base,))}"
+               + ("." if base_ok else " (the accuracy targets below have little to lose)."))
     for key, what in (("accuracy", "Exact answers"), ("step_accuracy", "Arithmetically right steps")):
         if key == "step_accuracy" and not (q[base].get("steps") and q[final].get("steps")):
             out.append(f"{what}: not scored (no `a op b = c` step in the greedy answers of "
