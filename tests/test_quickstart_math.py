@@ -236,6 +236,11 @@ def test_math_pipeline_end_to_end(tmp_path):
     base_nll = next(r["nll"] for r in rep["rows"] if r["model"] == "base")
     assert jf["AR"]["nll"] != base_nll
     assert "Math domain" in (out / "report" / "report.md").read_text()
+    # report.md is a function of report.json alone: it re-renders after a change of the report's text
+    from megatron_jf.quickstart.report import report_markdown
+
+    assert report_markdown(rep) == (out / "report" / "report.md").read_text()
+    assert "Base quality" in report_markdown(rep)
 
 
 def test_template_gain_from_repetition_is_not_called_a_gain():

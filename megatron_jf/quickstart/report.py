@@ -203,23 +203,17 @@ def build_report(pipe) -> dict:
                "template_tpf": extras.get("template_tpf"), "template_distinct4": extras.get("template_distinct4"),
                "template_prompts": len(template),
                "noisy_accuracy": extras.get("noisy_accuracy"), "noisy_prompts": p.noisy_prompts if noisy_records else 0}
-    extra_md = ""
     if getattr(p, "learning_curve", False):  # TPF and pass@1 at every saved checkpoint (learning_curve.py)
-        from megatron_jf.quickstart.learning_curve import curve_markdown, evaluate_curve, plot_curve
+        from megatron_jf.quickstart.learning_curve import evaluate_curve, plot_curve
 
         summary["learning_curve"] = evaluate_curve(pipe, prompt_rows, eos)
         plot_curve(out_dir, summary["learning_curve"], p.report_n)
-        extra_md += curve_markdown(summary["learning_curve"], p.report_n)
-    from megatron_jf.quickstart.interpret import interpretation_markdown  # base vs final JF against the targets
-
-    extra_md += interpretation_markdown(summary)
-    from megatron_jf.quickstart.costs import costs_markdown, stage_costs, stage_cpu_seconds  # time per stage
+    from megatron_jf.quickstart.costs import stage_costs, stage_cpu_seconds  # time per stage
 
     summary["stage_costs"] = stage_costs(pipe)
     summary["stage_cpu_seconds"] = stage_cpu_seconds(pipe)
-    extra_md += costs_markdown(summary["stage_costs"], cpu=summary["stage_cpu_seconds"])
     atomic_write_json(out_dir / "report.json", summary)
-    md = _markdown(summary) + extra_md
+    md = report_markdown(summary)
     atomic_write_text(out_dir / "report.md", md)
     _plots(out_dir, curves)
     # the Figure-4 picture on a typical prompt: the final model's Jacobi TPF there is closest to its mean
@@ -380,6 +374,28 @@ def _humaneval_pass1(prompt_rows, outputs, tok) -> dict:
         scores = score_many(problems, [tok.decode(t) for t in toks])
         out[label] = aggregate(scores)["humaneval"]["accuracy"]
     return out
+
+
+def report_markdown(summary: dict) -> str:
+    """``report.md`` from ``report.json``'s summary: the tables, the learning curve (when the summary has one), what
+    the numbers mean against the targets (:mod:`~megatron_jf.quickstart.interpret`) and where the time went. A pure
+    function of the summary, so a report re-renders after a change of its text (``report_markdown(json.load(...))``).
+
+    Raises:
+        KeyError: a summary without a field the sections read (e.g. ``n`` with a learning curve: report.json files
+            written before 2026-12 lack it)."""
+    from megatron_jf.quickstart.costs import costs_markdown
+    from megatron_jf.quickstart.interpret import interpretation_markdown
+
+    md = _markdown(summary)
+    if summary.get("learning_curve"):
+        from megatron_jf.quickstart.learning_curve import curve_markdown
+
+        md += curve_markdown(summary["learning_curve"], summary["n"])
+    md += interpretation_markdown(summary)
+    if "stage_costs" in summary:
+        md += costs_markdown(summary["stage_costs"], cpu=summary.get("stage_cpu_seconds"))
+    return md
 
 
 def _markdown(s) -> str:
