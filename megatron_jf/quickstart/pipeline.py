@@ -198,7 +198,8 @@ PRESETS = {
     # pretraining pass (500 steps at lr 3e-4 -> 3e-5, +100-170 s) lifts it to 11.5 % exact answers / 51.3 % right steps
     # (from 5.0 % / 34.6 %); on that base the AR weight w=2 (both AR terms) keeps the exact answers (11.5 %) at
     # +0.37 held-out TPF and drift +0.049, where w=1 gave +0.42 at -3.5 points of exact answers and -7.9 of right
-    # steps, and w=3 +0.35 at -2.3 (docs/results.md, "The base with its second pass, end to end"). Measured and not
+    # steps, and w=3 +0.35 at -2.3 (docs/results.md, "The base with its second pass, end to end"; Eq. 9 leaves w
+    # open, the official code weighs its AR term 10 against a length-normalised consistency term). Measured and not
     # taken: --pc-weight 2 (+0.44 at drift +0.136, right steps -8.7 points), windows w=4 / w=8 (+0.36 each, more
     # repetitive on held-out templates). Where it departs from the paper (Sec. 4.1), and why: one round, not n=16
     # then n=32, because the 45-minute budget buys more round-1 trajectories instead (`rounds=2` runs the paper's
