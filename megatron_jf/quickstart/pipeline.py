@@ -795,7 +795,7 @@ def main(argv=None):
               "learning curve 43 min; docs/quickstart_real/). A loaded machine takes proportionally longer.",
               flush=True)
     elif preset.name == "default":
-        print("default preset: model A (GSM-Symbolic word problems) end to end, about 38 minutes on 2 idle CPU cores "
+        print("default preset: model A (GSM-Symbolic word problems) end to end, about 39 minutes on 2 idle CPU cores "
               "(pretraining 13, trajectories 7, Jacobi Forcing 13, report 4; docs/quickstart_default/).", flush=True)
     changed = {f: getattr(preset, f) for f in knobs if getattr(preset, f) != getattr(named_preset(preset.name), f)}
     if changed:
