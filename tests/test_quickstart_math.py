@@ -21,22 +21,27 @@ def test_math_corpus_and_prompts(tmp_path):
     from megatron_jf.quickstart import math_domain
     from megatron_jf.tokenizer import load_tokenizer
 
-    pipe = _pipe(tmp_path, drill_fraction=0.25)
+    pipe = _pipe(tmp_path, drill_fraction=0.25, n_quality_problems=35)
     info = pipe.stage_corpus()
     counts = pipe.stage_prompts()
-    assert counts == {"train": 30, "heldout": 20, "heldout_template": 10}
-    s = make_splits(200, 30, 20, 10, n_heldout_templates=5, seed=0)
+    assert counts == {"train": 30, "heldout": 35, "heldout_template": 10}
+    s = make_splits(200, 30, 35, 10, n_heldout_templates=5, seed=0)
+    assert s.heldout[:20] == make_splits(200, 30, 20, 10, n_heldout_templates=5, seed=0).heldout  # a prefix
+    # 35 held-out problems are scored for accuracy; the decoders, the NLL and pretraining's validation see 20
+    quality = [json.loads(l)["id"] for l in open(pipe.path("prompts_quality.jsonl"))]
+    assert quality == [p.uid for p in s.heldout]
+    assert len(open(pipe.path("nll_eval.jsonl")).readlines()) == 20
     assert info["heldout_templates"] == list(s.heldout_templates)
     # drills are about a quarter of the pretraining tokens, problems the rest
     assert 0.2 < info["drill_tokens"] / (info["drill_tokens"] + info["problem_tokens"]) < 0.3
     tok = load_tokenizer(pipe.path("tokenizer"))
     eos = min(tok.eos_ids)
     held = np.load(pipe.path("tokens_heldout.npy")).tolist()
-    assert held == [t for p in s.heldout for t in (*tok.encode(p.text()), eos)]  # the held-out ground truth
+    assert held == [t for p in s.heldout[:20] for t in (*tok.encode(p.text()), eos)]  # the held-out ground truth
     gt = np.load(pipe.path("tokens_gt_train.npy")).tolist()
     assert gt == [t for p in s.train for t in (*tok.encode(p.text()), eos)]  # training prompts + their answers
     rows = [json.loads(l) for l in open(pipe.path("prompts_eval.jsonl"))]
-    assert [r["id"] for r in rows] == [p.uid for p in s.heldout]
+    assert [r["id"] for r in rows] == [p.uid for p in s.heldout[:20]]
     assert rows[0]["prompt_ids"] == tok.encode(s.heldout[0].prompt_text())
     answers = {r["id"]: r["answer"] for r in math_domain.load_problems(pipe.out, "heldout")}
     assert answers == {p.uid: p.answer for p in s.heldout}
@@ -119,7 +124,7 @@ def test_second_pretraining_pass_starts_from_the_first_at_a_tenth_of_its_lr(tmp_
     one.stage_base()
     assert len(calls) == 1 and _flag(calls[0], "--save") == str(pipe.path("base"))
     # the default preset runs it, a flag turns it off, and a work directory resumes only with the same value
-    assert P.PRESETS["default"].pretrain_second_pass_steps == 500
+    assert P.PRESETS["default"].pretrain_second_pass_steps == 1000
     assert P.PRESETS["smoke"].pretrain_second_pass_steps == 0
     seen = []
     monkeypatch.setattr(P.Pipeline, "execute", lambda self, until=None: seen.append(self.p))
@@ -206,7 +211,7 @@ def test_math_pipeline_end_to_end(tmp_path):
                   n_eval_template_prompts=4, heldout_templates=5, vocab_size=300, response_tokens=48, collect_batch=8,
                   collect_procs=1, jf1_steps=6, jf_mbs=2, eval_block_sizes=(8, 16), timing_prompts=1, timing_rounds=1,
                   fit_prompts=2, noisy_prompts=2, nll_chunks=4, threads=1, precision="fp32", repetition_filter=False,
-                  pretrain_second_pass_steps=4)
+                  pretrain_second_pass_steps=4, n_quality_problems=12)
     out = tmp_path / "math"
     P.Pipeline(out, pre, log=lambda *a: None).execute(None)
     # the base is the second pretraining pass's: 4 steps from the first pass's 20-step weights
@@ -222,9 +227,26 @@ def test_math_pipeline_end_to_end(tmp_path):
     rep = json.loads((out / "report" / "report.json").read_text(), parse_constant=refuse)
     labels = {"base", "JF round 1"}
     assert set(rep["math_quality"]) == labels
-    for q in rep["math_quality"].values():
-        assert q["problems"] == 8 and q["accuracy"] == q["correct"] / 8
+    for q in rep["math_quality"].values():  # 12 problems scored: the decoders' 8, and 4 more by AR alone
+        assert q["problems"] == 12 and q["accuracy"] == q["correct"] / 12
         assert (q["step_accuracy"] is None) == (q["steps"] == 0)
+    assert rep["quality_problems"] == 12 and rep["eval_prompts"] == 8
+    # the scores are those of the base's greedy answers to the 12 problems, each against its own problem's answer
+    from megatron_jf import parallel
+    from megatron_jf.inference.engine import DecodeConfig, Engine
+    from megatron_jf.quickstart.math_domain import load_problems, quality
+    from megatron_jf.quickstart.report import _load
+    from megatron_jf.tokenizer import load_tokenizer
+
+    parallel.initialize(1, 1)
+    tok = load_tokenizer(out / "tokenizer")
+    eos = set(tok.eos_ids)
+    problems = load_problems(out, "heldout")
+    ids = [tok.encode(f"Question: {r['question']}\nAnswer:") for r in problems]
+    greedy = [r.tokens for r in Engine(_load(out / "base")).generate(ids, DecodeConfig("ar"), max_new_tokens=48,
+                                                                      eos_ids=eos)]
+    want = quality({"base": greedy}, [r["answer"] for r in problems], lambda t: tok.decode([x for x in t if x not in eos]))
+    assert rep["math_quality"]["base"] == want["base"]
     assert set(rep["template_tpf"]) == labels and all(v >= 1.0 for v in rep["template_tpf"].values())
     assert set(rep["template_distinct4"]) == labels and all(0 <= v <= 1 for v in rep["template_distinct4"].values())
     noisy = rep["noisy_accuracy"]

@@ -8,15 +8,17 @@ Stages (called by :class:`megatron_jf.quickstart.pipeline.Pipeline` in place of 
   ranges) saved to ``problems.jsonl``; a byte-level BPE on the pretraining problems' text; the pretraining stream
   ``tokens_train.npy`` (problems, plus arithmetic drills in the chains' own style for ``Preset.drill_fraction`` of
   the tokens, :func:`~megatron_jf.data.gsm_symbolic.arithmetic_drills`, documents shuffled); ``tokens_heldout.npy``:
-  the held-out problems' ground-truth text; ``tokens_gt_train.npy``: the training
+  the first ``n_eval_prompts`` held-out problems' ground-truth text; ``tokens_gt_train.npy``: the training
   prompts with their ground-truth chains (the in-domain anchor / ground-truth AR text).
-* ``prompts``: ``prompts_train.jsonl`` (JF training prompts), ``prompts_eval.jsonl`` (held-out problems),
-  ``prompts_eval_template.jsonl`` (problems of the held-out templates), each ``{"id", "prompt_ids"}``; the answers
-  stay in ``problems.jsonl``; ``nll_eval.jsonl``: the held-out problems' questions and ground-truth answers as token
-  ids (the report's in-domain NLL: the answers given the questions, ``report.answer_nll``).
+* ``prompts``: ``prompts_train.jsonl`` (JF training prompts), ``prompts_quality.jsonl`` (every held-out problem,
+  ``max(Preset.n_eval_prompts, Preset.n_quality_problems)``), ``prompts_eval.jsonl`` (its first ``n_eval_prompts``:
+  the prompts every decoder of the report runs on), ``prompts_eval_template.jsonl`` (problems of the held-out
+  templates), each ``{"id", "prompt_ids"}``; the answers stay in ``problems.jsonl``; ``nll_eval.jsonl``: the first
+  ``n_eval_prompts`` held-out problems' questions and ground-truth answers as token ids (the report's in-domain NLL:
+  the answers given the questions, ``report.answer_nll``).
 
 The report adds, per model (:func:`quality`): exact-answer accuracy (``#### N``) and the share of the chains'
-``a op b = c`` steps that are arithmetically right, on the held-out problems.
+``a op b = c`` steps that are arithmetically right, on every held-out problem of ``prompts_quality.jsonl``.
 """
 
 from __future__ import annotations
@@ -57,8 +59,8 @@ def stage_corpus(pipe) -> dict:
     from megatron_jf.tokenizer import load_tokenizer
 
     p = pipe.p
-    s = make_splits(p.n_pretrain_problems, p.n_train_prompts, p.n_eval_prompts, p.n_eval_template_prompts,
-                    n_heldout_templates=p.heldout_templates, seed=0)
+    s = make_splits(p.n_pretrain_problems, p.n_train_prompts, max(p.n_eval_prompts, p.n_quality_problems),
+                    p.n_eval_template_prompts, n_heldout_templates=p.heldout_templates, seed=0)
     rows = ([_problem_row(x, "train") for x in s.train] + [_problem_row(x, "heldout") for x in s.heldout]
             + [_problem_row(x, "heldout_template") for x in s.heldout_template])
     atomic_write_text(pipe.path("problems.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
@@ -81,7 +83,8 @@ def stage_corpus(pipe) -> dict:
                 drill_tokens += len(ids) + 1
             batch += 1
     Random(0).shuffle(docs)
-    streams = {"train": docs, "heldout": [tok.encode(_text(r)) for r in rows if r["split"] == "heldout"],
+    streams = {"train": docs,
+               "heldout": [tok.encode(_text(r)) for r in rows if r["split"] == "heldout"][: p.n_eval_prompts],
                "gt_train": [tok.encode(x.text()) for x in s.train]}
     for name, ds in streams.items():
         arr = np.asarray([t for d in ds for t in (*d, eos)], dtype=np.int32)
@@ -101,18 +104,21 @@ def stage_prompts(pipe) -> dict:
 
     tok = load_tokenizer(pipe.path("tokenizer"))
     counts = {}
-    for split, name in (("train", "prompts_train.jsonl"), ("heldout", "prompts_eval.jsonl"),
+    n_eval = pipe.p.n_eval_prompts
+    for split, name in (("train", "prompts_train.jsonl"), ("heldout", "prompts_quality.jsonl"),
                         ("heldout_template", "prompts_eval_template.jsonl")):
         rows = [{"id": r["id"], "prompt_ids": tok.encode(f"Question: {r['question']}\nAnswer:")}
                 for r in load_problems(pipe.out, split)]
         atomic_write_text(pipe.path(name), "".join(json.dumps(r) + "\n" for r in rows))
         counts[split] = len(rows)
-        if split == "heldout":  # the report's in-domain NLL: ground-truth answers given their questions
+        if split == "heldout":  # the decoders' prompts; the in-domain NLL: ground-truth answers given the questions
+            atomic_write_text(pipe.path("prompts_eval.jsonl"), "".join(json.dumps(r) + "\n" for r in rows[:n_eval]))
             nll = [{"prompt_ids": row["prompt_ids"], "response_ids": tok.encode(" " + r["chain"])}
-                   for row, r in zip(rows, load_problems(pipe.out, split))]
+                   for row, r in zip(rows[:n_eval], load_problems(pipe.out, split))]
             atomic_write_text(pipe.path("nll_eval.jsonl"), "".join(json.dumps(r) + "\n" for r in nll))
-    pipe.log(f"[prompts] {counts['train']} training prompts, {counts['heldout']} held-out problems, "
-             f"{counts['heldout_template']} problems of held-out templates")
+    pipe.log(f"[prompts] {counts['train']} training prompts, {min(counts['heldout'], n_eval)} held-out problems "
+             f"for the decoders ({counts['heldout']} scored for accuracy), {counts['heldout_template']} problems of "
+             "held-out templates")
     return counts
 
 

@@ -118,6 +118,13 @@ def build_report(pipe) -> dict:
     held = np.load(pipe.path("tokens_heldout.npy")) if pipe.path("tokens_heldout.npy").exists() else None
     if p.math:  # in-domain held-out NLL: answers given questions (answer_nll)
         held = [json.loads(l) for l in open(pipe.path("nll_eval.jsonl"))]
+    quality_rows = prompt_rows  # math domain: every held-out problem scored (the first ones are ``prompts``)
+    if p.math and pipe.path("prompts_quality.jsonl").exists():
+        quality_rows = [json.loads(l) for l in open(pipe.path("prompts_quality.jsonl"))]
+        if [r["id"] for r in quality_rows[: len(prompt_rows)]] != [r["id"] for r in prompt_rows]:
+            raise ValueError(f"{pipe.path('prompts_quality.jsonl')} does not start with the problems of "
+                             f"{pipe.path('prompts_eval.jsonl')}: run the prompts stage again")
+    quality_prompts = [r["prompt_ids"] for r in quality_rows[len(prompt_rows):]]
     n = p.report_n
     template = []  # math domain: problems of templates held out from everything (Jacobi TPF there too)
     noisy_records = None  # math domain: the base model's trajectories on held-out problems (noisy-token accuracy)
@@ -135,6 +142,7 @@ def build_report(pipe) -> dict:
     labels = {"base": "base", "jf1": "JF round 1", "jf2": "JF round 2"}
     models = {labels[ck]: ck for ck in p.report_models}
     rows, curves, outputs, tf_argmax, jacobi_tpf, fit_tpf, extras = [], {}, {}, {}, {}, {}, {}
+    quality_outputs = {}
     R = p.response_tokens
     for label, ck in models.items():
         # one model's results are kept in report/eval_<ckpt>.json, so a report stage killed (or failing) after a
@@ -144,7 +152,8 @@ def build_report(pipe) -> dict:
                "decoders": list(decoders), "block_sizes": list(p.eval_block_sizes),
                "timing_prompts": p.timing_prompts, "timing_rounds": p.timing_rounds,
                "timing_threads": p.timing_threads, "nll_chunks": p.nll_chunks, "fit_prompts": fit,
-               "template_prompts": template, "noisy_prompts": p.noisy_prompts}
+               "template_prompts": template, "noisy_prompts": p.noisy_prompts,
+               "quality_prompts": quality_prompts}
         cache = out_dir / f"eval_{ck}.json"
         try:
             res = json.loads(cache.read_text())
@@ -155,11 +164,12 @@ def build_report(pipe) -> dict:
         else:
             pipe.log(f"[report] evaluating {label}")
             res = _evaluate_model(pipe.path(ck), label, prompts, held, decoders, p, eos, fit, template,
-                                  noisy_records)
+                                  noisy_records, quality_prompts)
             atomic_write_json(cache, dict(res, key=key), indent=None)
         rows += res["rows"]
         curves[label] = {int(k): v for k, v in res["curve"].items()}
         outputs[label] = res["outputs"]
+        quality_outputs[label] = res.get("quality_outputs") or []
         tf_argmax[label] = None if res["tf_argmax"] is None else torch.tensor(res["tf_argmax"])
         jacobi_tpf[label] = res["jacobi_tpf"]
         if res.get("fit_tpf") is not None:
@@ -179,7 +189,8 @@ def build_report(pipe) -> dict:
         from megatron_jf.quickstart.math_domain import load_problems, quality
 
         answer = {r["id"]: r["answer"] for r in load_problems(pipe.out, "heldout")}
-        math_quality = quality(outputs, [answer[r["id"]] for r in prompt_rows],
+        math_quality = quality({m: o + quality_outputs[m] for m, o in outputs.items()},
+                               [answer[r["id"]] for r in quality_rows],
                                lambda t: tok.decode([x for x in t if x not in eos]))
         for r in rows:
             r.update({k: math_quality[r["model"]][k] for k in ("accuracy", "step_accuracy")})
@@ -202,7 +213,8 @@ def build_report(pipe) -> dict:
                "fit_tpf": fit_tpf, "fit_prompts": len(fit), "n": n, "math_quality": math_quality,
                "template_tpf": extras.get("template_tpf"), "template_distinct4": extras.get("template_distinct4"),
                "template_prompts": len(template),
-               "noisy_accuracy": extras.get("noisy_accuracy"), "noisy_prompts": p.noisy_prompts if noisy_records else 0}
+               "noisy_accuracy": extras.get("noisy_accuracy"), "noisy_prompts": p.noisy_prompts if noisy_records else 0,
+               "quality_problems": len(quality_rows) if p.math else 0}
     if getattr(p, "learning_curve", False):  # TPF and pass@1 at every saved checkpoint (learning_curve.py)
         from megatron_jf.quickstart.learning_curve import evaluate_curve, plot_curve
 
@@ -224,18 +236,20 @@ def build_report(pipe) -> dict:
     return {"report": str(out_dir / "report.md")}
 
 
-def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos, fit=(), template=(), noisy_records=None) -> dict:
+def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos, fit=(), template=(), noisy_records=None,
+                    quality_prompts=()) -> dict:
     """One model: held-out NLL and argmax, then every decoder batched over all prompts (TPF; output asserted equal
     to greedy AR; :func:`megatron_jf.eval.speed.measure`), then at batch 1 on the first ``p.timing_prompts`` prompts
     next to ``transformers`` greedy, warm-up call each and interleaved rounds at ``p.timing_threads`` threads,
     fastest round kept (TPS; :func:`megatron_jf.quickstart.timing.time_interleaved`), then the Jacobi block-size
     sweep, and the Jacobi TPF at ``n = p.report_n`` on ``fit`` (training prompts: what Jacobi Forcing fit, next to
     the held-out TPF) and on ``template`` (math domain: problems of held-out templates), and the noisy-token accuracy
-    by distance on ``noisy_records`` (:mod:`megatron_jf.eval.noisy_accuracy`).
+    by distance on ``noisy_records`` (:mod:`megatron_jf.eval.noisy_accuracy`), and greedy AR on ``quality_prompts``
+    (math domain: the held-out problems scored for accuracy beyond ``prompts``; batches of 128).
 
     Returns:
-        JSON-ready ``{"rows", "curve", "outputs", "tf_argmax", "jacobi_tpf", "fit_tpf"}`` (``fit_tpf`` None
-        without ``fit``).
+        JSON-ready ``{"rows", "curve", "outputs", "tf_argmax", "jacobi_tpf", "fit_tpf", "quality_outputs", ...}``
+        (``fit_tpf`` None without ``fit``; ``quality_outputs``: token ids per ``quality_prompts`` entry).
 
     Raises:
         AssertionError: a decoder's output differs from greedy AR (a losslessness bug).
@@ -320,7 +334,11 @@ def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos, fit=(), templa
         from megatron_jf.eval.noisy_accuracy import noisy_accuracy
 
         noisy = noisy_accuracy(model, noisy_records, max_states_per_block=3).summary()
-    return {"rows": rows, "curve": curve, "outputs": ref, "jacobi_tpf": jacobi_tpf, "fit_tpf": fit_tpf,
+    quality_outputs = []
+    if quality_prompts:  # greedy AR: every lossless decoder's answers are these
+        quality_outputs = measure(eng, list(quality_prompts), {"AR": DecodeConfig("ar")}, batch_size=128,
+                                  **kw).outputs
+    return {"quality_outputs": quality_outputs, "rows": rows, "curve": curve, "outputs": ref, "jacobi_tpf": jacobi_tpf, "fit_tpf": fit_tpf,
             "template_tpf": template_tpf, "template_distinct4": template_d4, "noisy_accuracy": noisy,
             "tf_argmax": None if argmax is None else argmax.tolist()}
 
@@ -454,8 +472,12 @@ def _math_markdown(s) -> list[str]:
     mr = {r["model"]: r["tpf"] for r in s["rows"] if r["decoder"].startswith("MR")}
     keys = next((list(v) for v in na.values()), [])
     ks = [k for k in keys if k.startswith("acc_k")]
+    nq = s.get("quality_problems") or s["eval_prompts"]
+    scored = (f"the {nq} held-out problems (the first {s['eval_prompts']} are the prompts above; all by greedy AR, "
+              "the answers every lossless decoder gives)" if nq > s["eval_prompts"] else f"the {nq} held-out problems")
     out = ["", f"Math domain: exact answers (`#### N`) and arithmetically right `a op b = c` steps of the greedy answers "
-           f"to the {s['eval_prompts']} held-out problems; Jacobi / MR TPF (n={s['n']}) on them and Jacobi TPF on "
+           f"to {scored}; Jacobi / MR TPF (n={s['n']}) on "
+           + ("them" if nq <= s["eval_prompts"] else f"the first {s['eval_prompts']}") + " and Jacobi TPF on "
            f"{s.get('template_prompts', 0)} problems of templates held out from everything (with the distinct-4 of the "
            f"greedy answers there); noisy-token accuracy: "
            f"argmax right at distance k after the first wrong draft token, on the base model's Jacobi trajectories of "
