@@ -234,6 +234,39 @@ def add_load_arg(p, *, required: bool = True, help: str | None = None) -> None:
                                 "with tools/convert_hf.py hf-to-mcore)")
 
 
+# ------------------------------------------------------------------------------------ inference forward options
+_CUDA_GRAPHS = {"auto": None, "on": True, "off": False}
+
+
+def add_inference_args(p) -> None:
+    """The inference forward's switches as flags (``--inference-forward``, ``--mr-verify``, ``--lean-gemv``,
+    ``--cuda-graphs``): the :class:`~megatron_jf.inference.engine.Engine` fields that the ``MEGATRON_JF_*`` variables
+    of :mod:`megatron_jf.inference.options` set; a flag wins over its variable, which wins over the device's default.
+    Read them with :func:`inference_options`. They choose how the forward runs, never what is generated."""
+    from megatron_jf.inference.options import FORWARDS, GEMV_MODES, MR_VERIFY_MODES  # torch-free
+
+    g = p.add_argument_group("inference forward (default: the MEGATRON_JF_* variable, else the device's choice; "
+                             "never changes the output)")
+    g.add_argument("--inference-forward", choices=FORWARDS, default="auto",
+                   help="the decode forward: lean (this project's, over the model's weights), static (static shapes, "
+                        "CUDA graphs on a GPU), megatron (megatron-core's own); auto: static on CUDA, else lean")
+    g.add_argument("--mr-verify", choices=MR_VERIFY_MODES, default="auto",
+                   help="how MR verifies recycled candidates: tree (one forward with a tree mask) or pruned (two "
+                        "passes); auto: tree on CUDA, pruned on CPU")
+    g.add_argument("--lean-gemv", choices=GEMV_MODES, default=None,
+                   help="CPU copies of the weights for one-row products: all, out (output layer only) or none; "
+                        "none given: all up to 4 GiB of weights, else out")
+    g.add_argument("--cuda-graphs", choices=tuple(_CUDA_GRAPHS), default="auto",
+                   help="replay the static path's CUDA graphs (auto: on a GPU)")
+
+
+def inference_options(args) -> dict:
+    """:func:`add_inference_args`' values as :class:`~megatron_jf.inference.engine.Engine` keywords
+    (``forward``, ``mr_verify``, ``gemv``, ``cuda_graphs``), for :meth:`megatron_jf.inference.llm.LLM.from_checkpoint`."""
+    return {"forward": args.inference_forward, "mr_verify": args.mr_verify, "gemv": args.lean_gemv,
+            "cuda_graphs": _CUDA_GRAPHS[args.cuda_graphs]}
+
+
 # ----------------------------------------------------------------------------------------------- decoder options
 def decode_config_class():
     """:class:`megatron_jf.decoding.DecodeConfig`, every tool's one source of decoder options (torch-free)."""

@@ -38,6 +38,14 @@ class CheckpointFileError(FileNotFoundError, ValueError):
     """
 
 
+class CheckpointNotFound(FileNotFoundError):
+    """The ``--load`` directory does not exist or holds no megatron_jf checkpoint."""
+
+
+class TokenizerNotFound(FileNotFoundError):
+    """Neither the checkpoint nor ``--tokenizer`` provides tokenizer files."""
+
+
 def is_megatron_dir(path: str) -> bool:
     """True when ``path`` is a directory holding a megatron checkpoint (``latest_checkpointed_iteration.txt``,
     ``release/`` or an ``iter_*`` folder at the top level) -- the mirror mistake for tools that read Hugging Face

@@ -87,9 +87,9 @@ def test_one_stop_token_set_server_equals_generate_py(srv, tmp_path):
         json.dump({"eos_token_id": kinds["generation_config"]}, f)
     stops = stop_token_ids(tok, s.margs, ck)
     assert set(kinds.values()) <= stops
-    from megatron_jf.eval.harness import load_for_inference
+    from megatron_jf.inference.llm import LLM
 
-    assert load_for_inference(ck).eos_ids == stops  # evaluation stops on the same set
+    assert LLM.from_checkpoint(ck).eos_ids == stops  # evaluation (every LLM) stops on the same set
     # a prompt per kind: its last token's cycle reaches the stop id
     prompts = {}
     for kind, e in kinds.items():

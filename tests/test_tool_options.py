@@ -189,3 +189,16 @@ def test_every_offered_training_choice_is_valid(flag, values):
         if flag == "--mask":
             extra += ["--attention-path", "dense"]
         parse_config(base + extra)
+
+
+@pytest.mark.parametrize("name", DECODER_TOOLS)
+def test_inference_forward_flags_in_every_inference_command(name):
+    """The inference forward's switches (``MEGATRON_JF_*`` variables until now) are one flag group in every inference
+    command, with the same defaults (the device's choice) and spellings."""
+    from megatron_jf.cli import inference_options
+
+    assert inference_options(_parser(name).parse_args(REQUIRED[name])) == {
+        "forward": "auto", "mr_verify": "auto", "gemv": None, "cuda_graphs": None}
+    a = _parser(name).parse_args(REQUIRED[name] + ["--inference-forward", "lean", "--mr-verify", "pruned",
+                                                   "--lean-gemv", "out", "--cuda-graphs", "on"])
+    assert inference_options(a) == {"forward": "lean", "mr_verify": "pruned", "gemv": "out", "cuda_graphs": True}

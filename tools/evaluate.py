@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_tokenizer_arg(p)
     p.add_argument("--out", default="eval_out", help="output directory")
     cli.add_threads_arg(p)
+    cli.add_inference_args(p)
     cli.add_parallel_args(p)
     cli.add_precision_args(p)
     p.add_argument("--seed", type=int, default=1234, help="seed of the draft initialisation")
@@ -70,7 +71,8 @@ def config_from_args(a: argparse.Namespace):
                       threads=a.threads, tp=a.tp, seed=a.seed, strict_lossless=not a.allow_mismatch,
                       score_timeout_s=a.score_timeout, warmup=not a.no_warmup, progress=not a.no_progress,
                       math_cpu_s=a.math_cpu_limit, isolation="none" if a.unisolated else "os",
-                      hf_baseline=not a.no_hf_baseline, params_dtype=a.params_dtype)
+                      hf_baseline=not a.no_hf_baseline, params_dtype=a.params_dtype,
+                      inference=cli.inference_options(a))
 
 
 def main(argv=None) -> int:

@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_parallel_args(p)
     cli.add_precision_args(p)
     cli.add_threads_arg(p)
+    cli.add_inference_args(p)
     p.add_argument("--json", action="store_true", help="print tokens and metrics as JSON")
     add_decode_args(p)
     return p
@@ -81,24 +82,15 @@ def main(argv=None):
         raise SystemExit(f"error: {e}") from None
     cli.set_threads(a.threads)
     from megatron_jf import parallel
-    from megatron_jf.checkpointing import load_model, tokenizer_path
-    from megatron_jf.tokenizer import load_tokenizer, stop_token_ids
-    from megatron_jf.inference.engine import Engine
+    from megatron_jf.inference.llm import LLM
 
     try:
         cfg, sp = decode_config(a), sampling_params(a)
-        tok_path = a.tokenizer or tokenizer_path(a.load)
-        if tok_path is None:
-            raise ValueError(f"checkpoint {a.load} carries no tokenizer; pass --tokenizer")
-        tok = load_tokenizer(tok_path)
-        parallel.initialize(a.tp, 1)
-        parallel.set_seed(a.seed)
-        model, margs, _ = load_model(a.load, params_dtype=cli.params_dtype(a.params_dtype))
+        llm = LLM.from_checkpoint(a.load, tokenizer=a.tokenizer, tp=a.tp, seed=a.seed, params_dtype=a.params_dtype,
+                                  **cli.inference_options(a))
+        tok = llm.tokenizer
         texts = [tok.apply_chat_template([{"role": "user", "content": x}]) if a.chat else x for x in prompts]
-        ids = [tok.encode(t) for t in texts]
-        eos = stop_token_ids(tok, margs, a.load)  # the one stop set (also the server's)
-        res = Engine(model).generate(ids, cfg, max_new_tokens=a.max_new_tokens, sampling=sp, eos_ids=eos,
-                                     stop_strings=tuple(a.stop), detokenize=tok.decode)
+        res = llm.generate(texts, cfg, max_new_tokens=a.max_new_tokens, sampling=sp, stop_strings=tuple(a.stop))
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None
     if parallel.is_rank0():

@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--docs", action="store_true", help="serve /docs and /openapi.json (Swagger UI loads from a CDN)")
     p.add_argument("--seed", type=int, default=1234, help="process random seed")
     cli.add_decode_args(p, title="default decoder (per-request override: the 'jf' object)")
+    cli.add_inference_args(p)
     return p
 
 
@@ -92,36 +93,22 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from megatron_jf import parallel
-    from megatron_jf.checkpointing import load_model, tokenizer_path
-    from megatron_jf.inference.engine import Engine, forward_width
+    from megatron_jf.inference.engine import forward_width
+    from megatron_jf.inference.llm import LLM
     from megatron_jf.server.scheduler import follower_loop
-    from megatron_jf.tokenizer import load_tokenizer, stop_token_ids
 
     if forward_width(default) > args.max_parallel_tokens:
         print(f"error: the default decoder forwards {forward_width(default)} tokens per step, over "
               f"--max-parallel-tokens {args.max_parallel_tokens}", file=sys.stderr)
         return 2
-    parallel.initialize(args.tp, 1)
-    parallel.set_seed(args.seed)
-    tok_path = args.tokenizer or tokenizer_path(args.load)
-    if tok_path is None:
-        print(f"error: {args.load} has no tokenizer/ directory; pass --tokenizer", file=sys.stderr)
-        return 2
-    tokenizer = load_tokenizer(tok_path)
-    try:
-        model, margs, _ = load_model(args.load, params_dtype=cli.params_dtype(args.params_dtype))
-    except (ValueError, FileNotFoundError) as e:  # a damaged checkpoint names its file (CheckpointFileError)
+    try:  # a damaged checkpoint names its file (CheckpointFileError); --max-model-len beyond the model's window
+        llm = LLM.from_checkpoint(args.load, tokenizer=args.tokenizer, tp=args.tp, seed=args.seed,
+                                  params_dtype=args.params_dtype, max_context=args.max_model_len,
+                                  **cli.inference_options(args))
+    except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    stop_ids = stop_token_ids(tokenizer, margs, args.load)
-    ctx = margs.max_position_embeddings
-    if args.max_model_len is not None:
-        if args.max_model_len > ctx:
-            print(f"error: --max-model-len {args.max_model_len} exceeds the model's context window of {ctx}",
-                  file=sys.stderr)
-            return 2
-        ctx = args.max_model_len
-    engine = Engine(model, max_context=ctx)
+    tokenizer, stop_ids, engine = llm.tokenizer, llm.eos_ids, llm.engine
     t0 = time.perf_counter()  # draft_width="auto" rows need the forward's cost: measured (or read) now, not mid-request
     engine.forward_cost(args.max_batch, args.max_parallel_tokens)
     logging.getLogger("megatron_jf.server").info("forward cost ready in %.1f s (%s)", time.perf_counter() - t0,
@@ -146,7 +133,7 @@ def main(argv=None) -> int:
     sched = Scheduler(engine, tokenizer.decode, max_batch=args.max_batch, max_queue=args.max_queue,
                       batch_wait_s=args.batch_wait_ms / 1000, max_width=args.max_parallel_tokens,
                       broadcast=args.tp > 1, metrics=metrics, group=group)
-    limits = Limits(max_context=ctx, max_parallel_tokens=args.max_parallel_tokens, max_stop=args.max_stop_strings,
+    limits = Limits(max_context=engine.max_context, max_parallel_tokens=args.max_parallel_tokens, max_stop=args.max_stop_strings,
                     max_stop_chars=args.max_stop_chars, max_token_chars=max_token_chars(tokenizer))
     app = create_app(sched, tokenizer, model_name=name, default_config=default, metrics=metrics,
                      stop_ids=stop_ids, limits=limits, max_request_bytes=args.max_request_bytes, docs=args.docs)

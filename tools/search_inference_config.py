@@ -199,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_max_new_tokens_arg(g)
     cli.add_batch_arg(p)
     cli.add_threads_arg(p)
+    cli.add_inference_args(p)
     p.add_argument("--out", default="search_out", help="output directory (search.json, surface.png)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -211,7 +212,8 @@ def main(argv=None) -> int:
         return status
     from megatron_jf.eval.benchmarks import BenchmarkDataError, MissingBenchmarkPackage, load_benchmark
     from megatron_jf.eval.harness import (ChatTemplateAdapter, CheckpointNotFound, HarnessError, TokenizerNotFound,
-                                          atomic_write_text, load_for_inference, method_name, decode_config_from)
+                                          atomic_write_text, method_name, decode_config_from)
+    from megatron_jf.inference.llm import LLM
     from megatron_jf.eval.prompts import prompt_info, render_prompt
     from megatron_jf.load_errors import check_load_dir
 
@@ -220,7 +222,7 @@ def main(argv=None) -> int:
         if a.benchmark not in (None, "humaneval", "mbpp", "gsm8k", "math", "math500") and not a.data:
             raise HarnessError(f"unknown benchmark {a.benchmark!r}")
         decode_config_from(a.decoder, draft_init=a.draft_init, ngram_pool_size=a.ngram_pool_size)
-        lm = load_for_inference(a.load, tokenizer=a.tokenizer, threads=a.threads)
+        lm = LLM.from_checkpoint(a.load, tokenizer=a.tokenizer, threads=a.threads, **cli.inference_options(a))
         problems = load_benchmark(a.benchmark, limit=a.limit, data_path=a.data)
         if not problems:
             raise HarnessError("empty prompt set")

@@ -174,15 +174,15 @@ def live_trajectory(load: str, prompt: str, *, block_size: int = 16, max_new_tok
         ``(blocks, tokenizer, prompt_text, GenerationResult)``.
 
     Raises:
-        CheckpointNotFound / TokenizerNotFound (see :func:`megatron_jf.eval.harness.load_for_inference`).
+        CheckpointNotFound / TokenizerNotFound (see :meth:`megatron_jf.inference.llm.LLM.from_checkpoint`).
     """
-    from megatron_jf.eval.harness import decode_config_from, load_for_inference
+    from megatron_jf.eval.harness import decode_config_from
+    from megatron_jf.inference.llm import LLM
 
-    lm = load_for_inference(load, tokenizer=tokenizer, seed=seed)
+    lm = LLM.from_checkpoint(load, tokenizer=tokenizer, seed=seed)
     text = lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
     cfg = decode_config_from("jacobi", block_size=block_size, draft_init=draft_init)
-    res = lm.engine.generate([lm.tokenizer.encode(text)], cfg, max_new_tokens=max_new_tokens, eos_ids=lm.eos_ids,
-                             record_trajectory=True)[0]
+    res = lm.generate([text], cfg, max_new_tokens=max_new_tokens, record_trajectory=True)[0]
     return res.trajectory, lm.tokenizer, text, res
 
 

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from megatron_jf.fileio import atomic_write_bytes, atomic_write_text  # noqa: F401  (re-exported)
 from megatron_jf.inference.metrics import percentile  # noqa: F401  (re-exported)
+from megatron_jf.inference.llm import LLM
+from megatron_jf.load_errors import CheckpointNotFound, TokenizerNotFound  # noqa: F401  (re-exported)
 
 import hashlib
 import json
@@ -52,14 +54,12 @@ __all__ = [
     "CheckpointNotFound",
     "EvalConfig",
     "HarnessError",
-    "LoadedModel",
     "LosslessViolation",
     "ResumeMismatch",
     "TokenizerNotFound",
     "atomic_write_bytes",
     "atomic_write_text",
     "decode_config_from",
-    "load_for_inference",
     "markdown_table",
     "method_name",
     "percentile",
@@ -72,14 +72,6 @@ TASK_NAMES = {"humaneval": "HumanEval", "mbpp": "MBPP", "gsm8k": "GSM8K", "math"
 
 class HarnessError(ValueError):
     """Base class of the harness's input errors (bad benchmark/decoder/flags)."""
-
-
-class CheckpointNotFound(FileNotFoundError):
-    """The ``--load`` directory does not exist or holds no megatron_jf checkpoint."""
-
-
-class TokenizerNotFound(FileNotFoundError):
-    """Neither the checkpoint nor ``--tokenizer`` provides tokenizer files."""
 
 
 class ResumeMismatch(ValueError):
@@ -121,82 +113,6 @@ def method_name(cfg) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# model + tokenizer
-
-
-@dataclass
-class LoadedModel:
-    """A checkpoint ready for generation.
-
-    Attributes:
-        engine: :class:`~megatron_jf.inference.engine.Engine` over the model.
-        tokenizer: :class:`megatron_jf.tokenizer.Tokenizer`.
-        eos_ids: stop ids (tokenizer's eos ids and the checkpoint's ``eos_token_ids``).
-        meta: the checkpoint's ``jf_meta.json``.
-        ckpt_dir: absolute checkpoint path.
-    """
-
-    engine: Any
-    tokenizer: Any
-    eos_ids: frozenset
-    meta: dict
-    ckpt_dir: str
-
-
-def load_for_inference(ckpt_dir: str, *, tokenizer: Optional[str] = None, tp: int = 1, seed: int = 1234,
-                       threads: Optional[int] = None, params_dtype: Optional[str] = None) -> LoadedModel:
-    """Initialise (TP ``tp``, PP 1), load the checkpoint and its tokenizer, wrap the model in an Engine.
-
-    Args:
-        ckpt_dir: megatron_jf checkpoint directory (from ``tools/convert_hf.py hf-to-mcore`` or training).
-        tokenizer: tokenizer path overriding the one the checkpoint carries.
-        tp: tensor-parallel size (all ranks must call this identically).
-        seed: seed for :func:`megatron_jf.parallel.set_seed`.
-        threads: ``torch.set_num_threads`` value (None: leave as is).
-        params_dtype: ``"bf16"`` / ``"fp16"`` weights (``--bf16`` / ``--fp16``); None: the platform default.
-
-    Raises:
-        CheckpointNotFound: ``ckpt_dir`` missing or not a checkpoint.
-        TokenizerNotFound: no tokenizer in the checkpoint and none given.
-        ValueError: bf16 on a CPU without native bf16 (:func:`megatron_jf.cli.params_dtype`).
-    """
-    from megatron_jf.load_errors import reject_hf_dir
-
-    reject_hf_dir(ckpt_dir)  # the one message for a Hugging Face folder (every tool)
-    ckpt_dir = os.path.abspath(ckpt_dir)
-    if not os.path.isdir(ckpt_dir):  # reported before torch is imported
-        raise CheckpointNotFound(f"checkpoint directory does not exist: {ckpt_dir}")
-    import torch
-
-    from megatron_jf import parallel
-    from megatron_jf.checkpointing import latest_iteration, load_model, tokenizer_path
-    from megatron_jf.inference.engine import Engine
-    from megatron_jf.tokenizer import load_tokenizer, stop_token_ids
-
-    try:
-        it = latest_iteration(ckpt_dir)
-    except (OSError, ValueError) as e:
-        raise CheckpointNotFound(f"{ckpt_dir} is not a megatron_jf checkpoint: {e}") from e
-    if it is None:
-        raise CheckpointNotFound(f"{ckpt_dir} holds no megatron_jf checkpoint (no iter_* with jf_meta.json); "
-                                 "convert an HF model with tools/convert_hf.py hf-to-mcore")
-    tok_dir = tokenizer or tokenizer_path(ckpt_dir)
-    if tok_dir is None or not os.path.exists(tok_dir):
-        raise TokenizerNotFound(f"no tokenizer: {ckpt_dir} carries none (no tokenizer/ folder) and --tokenizer "
-                                f"{'was not given' if tokenizer is None else 'does not exist: ' + tokenizer}")
-    if threads:
-        torch.set_num_threads(int(threads))
-    parallel.initialize(tp, 1)
-    parallel.set_seed(seed)
-    from megatron_jf.cli import params_dtype as dtype_of
-
-    model, args, meta = load_model(ckpt_dir, params_dtype=dtype_of(params_dtype))
-    tok = load_tokenizer(tok_dir)
-    eos = stop_token_ids(tok, args, ckpt_dir)  # the one stop set (also the server's)
-    return LoadedModel(Engine(model), tok, eos, meta, ckpt_dir)
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # evaluation
 
 
@@ -234,6 +150,9 @@ class EvalConfig:
             (:mod:`megatron_jf.eval.hf_baseline`).
         params_dtype: ``"bf16"`` / ``"fp16"`` weights (``--bf16``: outputs differ from fp32 ones; lossless means
             equal to greedy AR in the same precision); None: the platform default (fp32 on CPU).
+        inference: the inference forward's :class:`~megatron_jf.inference.engine.Engine` options (``forward``,
+            ``mr_verify``, ``gemv``, ``cuda_graphs``; :func:`megatron_jf.cli.inference_options`); empty: defaults.
+            They change how the forward runs, not the results (not part of the resume key).
     """
 
     load: str
@@ -259,6 +178,7 @@ class EvalConfig:
     progress: bool = True
     hf_baseline: bool = True
     params_dtype: Optional[str] = None
+    inference: dict = field(default_factory=dict)
 
     def validate(self) -> None:
         """Check names and ranges before anything heavy is loaded.
@@ -436,13 +356,14 @@ class ChatTemplateAdapter:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
 
 
-def run_evaluation(cfg: EvalConfig, *, loaded: Optional[LoadedModel] = None,
+def run_evaluation(cfg: EvalConfig, *, loaded: Optional[LLM] = None,
                    log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> dict[str, Any]:
     """Run AR and ``cfg.decoder`` on the same prompts, score both, write JSONL/summary/table (Tables 1-3).
 
     Args:
         cfg: the run (validated here before loading anything).
-        loaded: an already loaded checkpoint (reuse across runs); default: :func:`load_for_inference`.
+        loaded: an already loaded checkpoint (reuse across runs); default: :meth:`LLM.from_checkpoint
+            <megatron_jf.inference.llm.LLM.from_checkpoint>` of ``cfg.load``.
         log: where progress text goes.
 
     Returns:
@@ -458,8 +379,8 @@ def run_evaluation(cfg: EvalConfig, *, loaded: Optional[LoadedModel] = None,
     dec_cfg = decode_config_from(cfg.decoder, **cfg.decode)
     ar_cfg = decode_config_from("ar")
     if loaded is None:
-        loaded = load_for_inference(cfg.load, tokenizer=cfg.tokenizer, tp=cfg.tp, seed=cfg.seed, threads=cfg.threads,
-                                    params_dtype=cfg.params_dtype)
+        loaded = LLM.from_checkpoint(cfg.load, tokenizer=cfg.tokenizer, tp=cfg.tp, seed=cfg.seed,
+                                     threads=cfg.threads, params_dtype=cfg.params_dtype, **cfg.inference)
     elif cfg.threads:
         import torch
 

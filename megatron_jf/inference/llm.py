@@ -1,0 +1,139 @@
+"""The loaded-model facade: a megatron_jf checkpoint, its tokenizer, its stop ids and an :class:`Engine`, loaded
+by one call (after nano-vllm's ``LLM`` and Megatron's ``MegatronLLM``).
+
+Every inference entry point (``tools/generate.py``, the text server, the evaluator, the inference-config search,
+the trajectory picture, the quickstart report) loads through :meth:`LLM.from_checkpoint`, so the load sequence --
+path checks, threads, ``parallel.initialize``, tokenizer, weights, stop ids, engine -- and its error messages are
+written once::
+
+    llm = LLM.from_checkpoint("runs/quickstart-default/jf1")
+    [res] = llm.generate(["Question: ...\\nAnswer:"], DecodeConfig("jacobi", block_size=16), max_new_tokens=128)
+    print(llm.tokenizer.decode(res.tokens))
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from megatron_jf.load_errors import CheckpointNotFound, TokenizerNotFound
+
+__all__ = ["LLM", "CheckpointNotFound", "TokenizerNotFound"]
+
+
+@dataclass
+class LLM:
+    """A checkpoint ready for generation.
+
+    Attributes:
+        engine: :class:`~megatron_jf.inference.engine.Engine` over the model.
+        tokenizer: :class:`megatron_jf.tokenizer.Tokenizer`.
+        eos_ids: the stop ids (the tokenizer's eos ids and the checkpoint's ``eos_token_ids``; the server's set too).
+        meta: the checkpoint's ``jf_meta.json``.
+        ckpt_dir: absolute checkpoint path.
+        model_args: the checkpoint's model arguments (``max_position_embeddings``: the context window).
+    """
+
+    engine: Any
+    tokenizer: Any
+    eos_ids: frozenset
+    meta: dict
+    ckpt_dir: str
+    model_args: Any = None
+
+    @property
+    def model(self):
+        """The loaded model (``torch.nn.Module``; the engine's)."""
+        return self.engine.model
+
+    @classmethod
+    def from_checkpoint(cls, ckpt_dir: str, *, tokenizer: Optional[str] = None, tp: int = 1, seed: int = 1234,
+                        threads: Optional[int] = None, params_dtype: Optional[str] = None,
+                        max_context: Optional[int] = None, **engine_options) -> "LLM":
+        """Initialise (TP ``tp``, PP 1), load the checkpoint and its tokenizer, wrap the model in an Engine.
+
+        Args:
+            ckpt_dir: megatron_jf checkpoint directory (from ``tools/convert_hf.py hf-to-mcore`` or training).
+            tokenizer: tokenizer path overriding the one the checkpoint carries.
+            tp: tensor-parallel size (all ranks must call this identically).
+            seed: seed for :func:`megatron_jf.parallel.set_seed`.
+            threads: ``torch.set_num_threads`` value (None: leave as is).
+            params_dtype: ``"bf16"`` / ``"fp16"`` weights (``--bf16`` / ``--fp16``); None: the platform default.
+            max_context: the engine's context window in tokens (None: the model's ``max_position_embeddings``).
+            **engine_options: further :class:`~megatron_jf.inference.engine.Engine` keywords (``forward``,
+                ``mr_verify``, ``gemv``, ``cuda_graphs``).
+
+        Raises:
+            HFDirectoryError: ``ckpt_dir`` is a Hugging Face model directory (the message gives the conversion).
+            CheckpointNotFound: ``ckpt_dir`` missing or not a checkpoint.
+            TokenizerNotFound: no tokenizer in the checkpoint and none given.
+            CheckpointFileError: a checkpoint file is missing, truncated or foreign.
+            ValueError: bf16 on a CPU without native bf16 (:func:`megatron_jf.cli.params_dtype`), or
+                ``max_context`` beyond the model's context window.
+        """
+        from megatron_jf.load_errors import reject_hf_dir
+
+        reject_hf_dir(ckpt_dir)  # the one message for a Hugging Face folder (every tool)
+        ckpt_dir = os.path.abspath(ckpt_dir)
+        if not os.path.isdir(ckpt_dir):  # reported before torch is imported
+            raise CheckpointNotFound(f"checkpoint directory does not exist: {ckpt_dir}")
+        import torch
+
+        from megatron_jf import parallel
+        from megatron_jf.checkpointing import latest_iteration, load_model, tokenizer_path
+        from megatron_jf.cli import params_dtype as dtype_of
+        from megatron_jf.inference.engine import Engine
+        from megatron_jf.tokenizer import load_tokenizer, stop_token_ids
+
+        try:
+            it = latest_iteration(ckpt_dir)
+        except (OSError, ValueError) as e:
+            raise CheckpointNotFound(f"{ckpt_dir} is not a megatron_jf checkpoint: {e}") from e
+        if it is None:
+            raise CheckpointNotFound(f"{ckpt_dir} holds no megatron_jf checkpoint (no iter_* with jf_meta.json); "
+                                     "convert an HF model with tools/convert_hf.py hf-to-mcore")
+        tok_dir = tokenizer or tokenizer_path(ckpt_dir)
+        if tok_dir is None or not os.path.exists(tok_dir):
+            raise TokenizerNotFound(f"no tokenizer: {ckpt_dir} carries none (no tokenizer/ folder) and --tokenizer "
+                                    f"{'was not given' if tokenizer is None else 'does not exist: ' + tokenizer}")
+        if threads:
+            torch.set_num_threads(int(threads))
+        parallel.initialize(tp, 1)
+        parallel.set_seed(seed)
+        model, args, meta = load_model(ckpt_dir, params_dtype=dtype_of(params_dtype))
+        window = args.max_position_embeddings
+        if max_context is not None and max_context > window:
+            raise ValueError(f"--max-model-len {max_context} exceeds the model's context window of {window}")
+        tok = load_tokenizer(tok_dir)
+        eos = stop_token_ids(tok, args, ckpt_dir)  # the one stop set (also the server's)
+        return cls(Engine(model, max_context=max_context, **engine_options), tok, eos, meta, ckpt_dir, args)
+
+    def generate(self, prompts: list, config=None, *, max_new_tokens: int = 128, sampling=None,
+                 stop_strings: tuple[str, ...] = (), eos_ids=None, **kw) -> list:
+        """Generate for a batch of prompts: :meth:`Engine.generate <megatron_jf.inference.engine.Engine.generate>`
+        with this checkpoint's stop ids and detokenizer.
+
+        Args:
+            prompts: per request, text (encoded with the tokenizer, no chat template) or token ids.
+            config: :class:`~megatron_jf.decoding.DecodeConfig` (None: its default, greedy AR).
+            max_new_tokens: exact cap on emitted tokens per request (>= 1).
+            sampling: :class:`~megatron_jf.inference.sampling.SamplingParams` (None: greedy).
+            stop_strings: stop strings (the detokenizer is the checkpoint's tokenizer).
+            eos_ids: stop ids replacing the checkpoint's (None: :attr:`eos_ids`).
+            **kw: further ``Engine.generate`` keywords (``record_trajectory``, ``on_tokens``).
+
+        Returns:
+            One :class:`~megatron_jf.inference.engine.GenerationResult` per prompt, in order.
+
+        Raises:
+            ValueError: an empty prompt, a bad ``max_new_tokens``, or a prompt that does not fit the context.
+        """
+        from megatron_jf.decoding import DecodeConfig
+        from megatron_jf.inference.sampling import SamplingParams
+
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        return self.engine.generate(ids, config or DecodeConfig(), max_new_tokens=max_new_tokens,
+                                    sampling=sampling or SamplingParams(),
+                                    eos_ids=self.eos_ids if eos_ids is None else eos_ids,
+                                    stop_strings=tuple(stop_strings), detokenize=self.tokenizer.decode, **kw)
