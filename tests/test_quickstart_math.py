@@ -93,6 +93,10 @@ def test_recipe_options_reach_pretrain_jf(tmp_path, monkeypatch):
     old = replace(pipe.p, consistency_positions="all", resample_noise=True)
     a, _ = _jf_args(P.Pipeline(pipe.out, old, log=lambda *x: None), monkeypatch)
     assert _flag(a, "--consistency-positions") == "all" and "--resample-noise-per-epoch" in a
+    # the JF cosine's floor: a tenth of the peak by default, the preset's fraction when set
+    assert float(_flag(a, "--min-lr")) == pytest.approx(float(_flag(a, "--lr")) / 10)
+    a, _ = _jf_args(P.Pipeline(pipe.out, replace(pipe.p, jf_min_lr_ratio=0.01), log=lambda *x: None), monkeypatch)
+    assert float(_flag(a, "--min-lr")) == pytest.approx(float(_flag(a, "--lr")) / 100)
     # one round: the second round's stages do nothing
     a, out = _jf_args(pipe, monkeypatch, "jf2")
     assert a is None and "skipped" in out and "skipped" in pipe.stage_traj("traj2", "jf1", 32)
