@@ -104,7 +104,8 @@ class LLM:
         model, args, meta = load_model(ckpt_dir, params_dtype=dtype_of(params_dtype))
         window = args.max_position_embeddings
         if max_context is not None and max_context > window:
-            raise ValueError(f"--max-model-len {max_context} exceeds the model's context window of {window}")
+            raise ValueError(f"max_context {max_context} (--max-model-len) exceeds the model's context window of "
+                             f"{window}")
         tok = load_tokenizer(tok_dir)
         eos = stop_token_ids(tok, args, ckpt_dir)  # the one stop set (also the server's)
         return cls(Engine(model, max_context=max_context, **engine_options), tok, eos, meta, ckpt_dir, args)
