@@ -85,6 +85,11 @@ def test_recipe_options_reach_pretrain_jf(tmp_path, monkeypatch):
     both = replace(gt, ar_target="both")
     a, _ = _jf_args(P.Pipeline(pipe.out, both, log=lambda *x: None), monkeypatch)
     assert float(_flag(a, "--ar-weight")) == 2 and float(_flag(a, "--anchor-weight")) == 2
+    # the ground-truth rows' own weight, where given (the clean blocks keep --ar-weight)
+    for target, clean in (("both", 2), ("ground_truth", 0)):
+        a, _ = _jf_args(P.Pipeline(pipe.out, replace(gt, ar_target=target, jf_gt_weight=5.0), log=lambda *x: None),
+                        monkeypatch)
+        assert float(_flag(a, "--ar-weight")) == clean and float(_flag(a, "--anchor-weight")) == 5
     with pytest.raises(ValueError, match="ar_target must be one of"):
         _jf_args(P.Pipeline(pipe.out, replace(gt, ar_target="gt"), log=lambda *x: None), monkeypatch)
     with pytest.raises(ValueError, match="corpus anchor"):

@@ -145,6 +145,9 @@ class Preset:
     # on the clean blocks, L_pc's teacher and student agree on a repeated token -- and "both" drifts least (+0.12
     # answer NLL against +0.33 for "self", at +0.26 vs +0.33 held-out TPF)
     ar_target: str = "self"
+    # weight of L_AR on the ground-truth rows (ar_target "ground_truth" or "both"; None: jf_ar_weight, the clean
+    # blocks' weight). The model's own output carries its arithmetic mistakes, the ground truth does not
+    jf_gt_weight: float | None = None
     # math domain (corpus="gsm_symbolic", megatron_jf/quickstart/math_domain.py): problem counts, templates held out
     # from everything, arithmetic drills' share of the pretraining tokens
     n_pretrain_problems: int = 0
@@ -603,7 +606,8 @@ class Pipeline:
             if not self.path("tokens_gt_train.npy").is_file():
                 raise ValueError(f"ar_target={p.ar_target!r} needs ground-truth answers (the math domain's "
                                  "tokens_gt_train.npy)")
-            anchor = ["--anchor-data", self.path("tokens_gt_train.npy"), "--anchor-weight", ar_weight,
+            gt_weight = ar_weight if p.jf_gt_weight is None else p.jf_gt_weight
+            anchor = ["--anchor-data", self.path("tokens_gt_train.npy"), "--anchor-weight", gt_weight,
                       "--anchor-seq-length", p.pretrain_seq, "--anchor-micro-batch-size", p.anchor_mbs]
             if p.ar_target == "ground_truth":
                 ar_weight = 0.0
@@ -669,6 +673,8 @@ RECIPE = {
                                    "restarted, lr from a tenth to a hundredth of the first pass's peak (0: none)"),
     "jf_lr": ("--lr", float, "peak learning rate of the JF rounds (round 2: --jf2-lr when given)"),
     "jf_ar_weight": ("--ar-weight", float, "weight w of L_AR (paper Eq. 9; round 2: --jf2-ar-weight when given)"),
+    "jf_gt_weight": ("--gt-weight", float, "weight of L_AR on the training prompts' ground-truth answers (math "
+                                           "domain, AR target ground_truth or both; default: --ar-weight)"),
     "jf_pc_weight": ("--pc-weight", float, "weight of the consistency loss L_pc (paper Eq. 9; 0: the ablation "
                                             "without it)"),
     "anchor_weight": ("--anchor-weight", float, "weight of the real-text anchor term (next-token CE on stdlib "
