@@ -54,3 +54,41 @@ def test_measure_names_a_lossless_violation(engine):
     assert s.methods["jacobi"].mismatched == [1] and s.reference is None and list(s.methods) == ["jacobi"]
     with pytest.raises(ValueError, match="no AR was timed"):
         s.fastest_ar
+
+
+def test_measure_counts_a_floating_point_near_tie_and_raises_beyond_it(mp1):
+    """An output that leaves the reference where the two best logits are within rounding of each other (a wider
+    forward's rounding can pick the other token: seen on an AMX Xeon, gap 4.8e-6 on logits of 5.5) is recorded as a
+    near tie, not raised; the gap is checked against `transformers`' logits on the same weights."""
+    import torch
+
+    from megatron_jf.eval.speed import LosslessError, divergence, measure
+    from megatron_jf.inference.engine import DecodeConfig, Engine
+    from megatron_jf.testing import mcore_twin, peaked_hf_model
+
+    hf = peaked_hf_model("llama", period=4, seed=4)
+    prompts = [[5, 9, 5, 9, 3], [1, 2, 3]]
+    ar = [r.tokens for r in Engine(mcore_twin(hf)).generate(prompts, DecodeConfig("ar"), max_new_tokens=8)]
+    k = 2
+    x = ar[1][k]
+    y = next(t for t in range(hf.config.vocab_size - 1, 0, -1) if all(t not in o + p for o, p in zip(ar, prompts)))
+    with torch.no_grad():  # token y: x's head row, a hair smaller -- always second to x, within 1e-5 of it
+        hf.lm_head.weight[y] = hf.lm_head.weight[x] * (1 - 3e-6)
+    engine = Engine(mcore_twin(hf))
+    ref = [r.tokens for r in engine.generate(prompts, DecodeConfig("ar"), max_new_tokens=8)]
+    assert ref == ar  # y is never the argmax
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompts[1] + ref[1][:k]])).logits[0, -1].float()
+    want_gap = float(logits[x] - logits[y])
+    assert 0 < want_gap < 1e-4 * float(logits[x])
+    tied = [ref[0], ref[1][:k] + [y] + ref[1][k + 1:]]  # a reference that took y at the near tie
+    methods = {"jacobi": DecodeConfig("jacobi", block_size=4)}
+    s = measure(engine, prompts, methods, max_new_tokens=8, reference=tied)  # strict: no LosslessError
+    st = s.methods["jacobi"]
+    assert st.mismatched == [1] and st.identical == 1 and list(st.near_ties) == [1]
+    tie = st.near_ties[1]
+    assert tie.position == k and tie.gap == pytest.approx(want_gap, rel=1e-2, abs=1e-6) and tie.gap <= tie.tolerance
+    assert divergence(engine, prompts[1], ref[1], ref[1]) is None  # equal outputs: nothing to classify
+    far = [ref[0], ref[1][:k] + [ref[1][k] + 1] + ref[1][k + 1:]]  # a token far from the best: a real violation
+    with pytest.raises(LosslessError, match=r"beyond a floating-point near tie"):
+        measure(engine, prompts, methods, max_new_tokens=8, reference=far)
