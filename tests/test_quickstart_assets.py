@@ -20,6 +20,7 @@ from megatron_jf.quickstart.corpus import (
     split_files,
     split_of,
 )
+from tests.sandbox_marks import needs_os
 
 DEF_LINE = re.compile(r"^[ \t]*(async[ \t]+def|def|class)[ \t]+\w+")
 
@@ -219,6 +220,7 @@ def test_quickstart_cli_rejects_unknown_stage_and_unsafe_fresh(tmp_path):
     assert (keep / "notes.txt").read_text() == "x"
 
 
+@needs_os  # executes the completions in the sandbox
 def test_report_humaneval_pass1_scores_real_completions():
     """The --real report's pass@1: canonical HumanEval solutions pass, a wrong body fails (sandboxed execution)."""
     from megatron_jf.eval.benchmarks import load_benchmark

@@ -31,7 +31,7 @@ from pathlib import Path
 from megatron_jf.cpu_numerics import describe, numerics_mismatch
 from megatron_jf.fileio import atomic_write_json
 
-__all__ = ["CHECKPOINTS", "run_figures", "run_numerics", "compare", "default_tolerance", "main"]
+__all__ = ["CHECKPOINTS", "run_figures", "run_numerics", "fixture_for", "compare", "default_tolerance", "main"]
 
 #: report label -> checkpoint directory of the quickstart's models
 CHECKPOINTS = {"base": "base", "JF round 1": "jf1", "JF round 2": "jf2"}
@@ -110,13 +110,32 @@ def run_numerics(out: str | Path) -> dict | None:
     for marker in sorted(Path(out).glob("*.done")):
         rec = json.loads(marker.read_text(encoding="utf-8")).get("cpu_numerics")
         if rec is not None:
-            key = {k: rec.get(k) for k in ("capability", "pin")}
-            if key not in [{k: s.get(k) for k in ("capability", "pin")} for _, s in seen]:
+            key = {k: rec.get(k) for k in ("capability", "pin", "vendor")}
+            if key not in [{k: s.get(k) for k in ("capability", "pin", "vendor")} for _, s in seen]:
                 seen.append((marker.stem, rec))
     if len(seen) > 1:
         raise ValueError("its stages ran under different CPU numerics: "
                          + "; ".join(f"{stage}: {describe(rec)}" for stage, rec in seen))
     return seen[0][1] if seen else None
+
+
+def fixture_for(path: str | Path, numerics: dict | None) -> Path | None:
+    """The fixture to compare a run made under ``numerics`` with: ``path`` itself when it was made on the run's CPU
+    vendor (or either side names none), else ``path`` with the vendor before its suffix
+    (``quickstart_smoke_golden.GenuineIntel.json``) when that file exists, else None (no figures were made on this
+    vendor's CPUs; under the same AVX2 pin Intel's and AMD's kernels still round differently:
+    :func:`megatron_jf.cpu_numerics.cpu_vendor`).
+
+    Raises:
+        OSError, ValueError: ``path`` cannot be read as JSON.
+    """
+    path = Path(path)
+    made = (json.loads(path.read_text(encoding="utf-8")).get("numerics") or {}).get("vendor")
+    vendor = (numerics or {}).get("vendor")
+    if not made or not vendor or made == vendor:
+        return path
+    other = path.with_name(f"{path.stem}.{vendor}{path.suffix}")
+    return other if other.is_file() else None
 
 
 def default_tolerance(name: str, value: float) -> float:
@@ -185,11 +204,18 @@ def main(argv=None) -> int:
     except ValueError as e:
         raise SystemExit(f"error: {a.run}: {e}") from None
     if a.compare:
-        fixture = json.loads(Path(a.compare).read_text(encoding="utf-8"))
+        path = fixture_for(a.compare, numerics)
+        if path is None:
+            print(f"no golden figures made on a {numerics['vendor']} CPU next to {a.compare}: make them with "
+                  f"--write {Path(a.compare).with_name(Path(a.compare).stem + '.' + numerics['vendor'] + '.json')}")
+            return 1
+        if str(path) != str(a.compare):
+            print(f"comparing with {path} (the figures made on a {numerics['vendor']} CPU)")
+        fixture = json.loads(path.read_text(encoding="utf-8"))
         print(f"golden figures made under: {describe(fixture.get('numerics'))}")
         print(f"this run made under:       {describe(numerics)}")
         bad = compare(fig, fixture)
-        print("\n".join(bad) if bad else f"all {len(fig)} figures within tolerance of {a.compare}")
+        print("\n".join(bad) if bad else f"all {len(fig)} figures within tolerance of {path}")
         why = numerics_mismatch(fixture.get("numerics"), numerics)
         if bad and why:
             print(f"likely cause: {why}")

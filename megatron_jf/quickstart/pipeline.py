@@ -750,10 +750,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"CI's figures: CI runs `--smoke --threads 1` with the CPU kernels pinned to AVX2 ({pin_command()}, "
-               "megatron_jf/cpu_numerics.py) and compares them with tests/fixtures/quickstart_smoke_golden.json. "
-               "To reproduce them on any x86 CPU: "
+               "megatron_jf/cpu_numerics.py) and compares them with tests/fixtures/quickstart_smoke_golden.json "
+               "(AMD CPUs) or quickstart_smoke_golden.GenuineIntel.json (Intel CPUs: the two vendors' kernels round "
+               "differently even pinned). To reproduce them on an x86 CPU of either vendor: "
                f"`{pin_command()} bash examples/quickstart.sh --smoke --threads 1 --out runs/smoke`, then "
-               "`python -m megatron_jf.quickstart.golden runs/smoke --compare tests/fixtures/quickstart_smoke_golden.json`. "
+               "`python -m megatron_jf.quickstart.golden runs/smoke --compare tests/fixtures/quickstart_smoke_golden.json` "
+               "(it picks the file of the CPU's vendor). "
                "Unpinned, an AVX-512 CPU takes other kernels and its figures can differ by a greedy near-tie.")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--smoke", action="store_true",
