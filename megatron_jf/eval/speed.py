@@ -120,10 +120,6 @@ class BatchRun:
     near_ties: dict[str, dict[int, NearTie]] = field(default_factory=dict)
     hf_near_ties: dict[int, NearTie] = field(default_factory=dict)
 
-    def bugs(self, name: str) -> list[int]:
-        """Batch indices where method ``name``'s output differs from the reference other than at a near tie."""
-        return [j for j, ok in enumerate(self.lossless[name]) if not ok and j not in self.near_ties.get(name, {})]
-
 
 def _reference_name(methods: dict) -> str | None:
     return next((k for k, c in methods.items() if c.decoder == "ar"), None)

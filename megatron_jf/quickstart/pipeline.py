@@ -816,8 +816,10 @@ def main(argv=None):
               "learning curve 43 min; docs/quickstart_real/). A loaded machine takes proportionally longer.",
               flush=True)
     elif preset.name == "default":
-        print("default preset: model A (GSM-Symbolic word problems) end to end, about 44 minutes on 2 idle CPU cores "
-              "(pretraining 17, trajectories 8, Jacobi Forcing 14, report 5; docs/quickstart_default/).", flush=True)
+        print("default preset: model A (GSM-Symbolic word problems) end to end, about 44 minutes on 2 idle cores of an "
+              "AVX-512 AMD EPYC (pretraining 17, trajectories 8, Jacobi Forcing 14, report 5; "
+              "docs/quickstart_default/), about 52 on an Intel Xeon with AMX (trajectories 12, Jacobi Forcing 17).",
+              flush=True)
     changed = {f: getattr(preset, f) for f in knobs if getattr(preset, f) != getattr(named_preset(preset.name), f)}
     if changed:
         print(f"recipe changed from the preset ({', '.join(f'{k}={v}' for k, v in changed.items())}): the time above "
