@@ -85,6 +85,9 @@ def test_recipe_options_reach_pretrain_jf(tmp_path, monkeypatch):
     both = replace(gt, ar_target="both")
     a, _ = _jf_args(P.Pipeline(pipe.out, both, log=lambda *x: None), monkeypatch)
     assert float(_flag(a, "--ar-weight")) == 2 and float(_flag(a, "--anchor-weight")) == 2
+    assert "--seed" not in a  # pretrain_jf.py's own seed unless the preset names one
+    a, _ = _jf_args(P.Pipeline(pipe.out, replace(both, jf_seed=7), log=lambda *x: None), monkeypatch)
+    assert _flag(a, "--seed") == "7"
     # the ground-truth rows' own weight, where given (the clean blocks keep --ar-weight)
     for target, clean in (("both", 2), ("ground_truth", 0)):
         a, _ = _jf_args(P.Pipeline(pipe.out, replace(gt, ar_target=target, jf_gt_weight=5.0), log=lambda *x: None),

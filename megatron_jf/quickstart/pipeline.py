@@ -148,6 +148,9 @@ class Preset:
     # weight of L_AR on the ground-truth rows (ar_target "ground_truth" or "both"; None: jf_ar_weight, the clean
     # blocks' weight). The model's own output carries its arithmetic mistakes, the ground truth does not
     jf_gt_weight: float | None = None
+    # seed of the JF rounds' data order and noise draws (pretrain_jf.py --seed; None: its default). One run's accuracy
+    # moves by ~2 points with rounding alone (docs/results.md, "On an Intel Xeon"): compare recipes over seeds
+    jf_seed: int | None = None
     # math domain (corpus="gsm_symbolic", megatron_jf/quickstart/math_domain.py): problem counts, templates held out
     # from everything, arithmetic drills' share of the pretraining tokens
     n_pretrain_problems: int = 0
@@ -615,6 +618,7 @@ class Pipeline:
             anchor = ["--anchor-data", self.anchor_tokens(), "--anchor-weight", anchor_weight,
                       "--anchor-seq-length", p.pretrain_seq, "--anchor-micro-batch-size", p.anchor_mbs]
         recipe = ["--consistency-positions", p.consistency_positions]
+        recipe += ["--seed", p.jf_seed] if p.jf_seed is not None else []
         recipe += ["--resample-noise-per-epoch"] if p.resample_noise else []
         recipe += ["--group-by-length"] if p.group_by_length else []
         self.run(["pretrain_jf.py", "--objective", "jf", *self._train_precision(), "--load", self.path(init),
@@ -675,6 +679,8 @@ RECIPE = {
     "jf_ar_weight": ("--ar-weight", float, "weight w of L_AR (paper Eq. 9; round 2: --jf2-ar-weight when given)"),
     "jf_gt_weight": ("--gt-weight", float, "weight of L_AR on the training prompts' ground-truth answers (math "
                                            "domain, AR target ground_truth or both; default: --ar-weight)"),
+    "jf_seed": ("--jf-seed", int, "seed of the JF rounds' data order and noise draws (pretrain_jf.py --seed; "
+                                  "default: its own)"),
     "jf_pc_weight": ("--pc-weight", float, "weight of the consistency loss L_pc (paper Eq. 9; 0: the ablation "
                                             "without it)"),
     "anchor_weight": ("--anchor-weight", float, "weight of the real-text anchor term (next-token CE on stdlib "
