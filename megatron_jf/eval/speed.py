@@ -83,6 +83,10 @@ def divergence(engine, prompt: list[int], reference: list[int], output: list[int
     Returns:
         A :class:`NearTie` where the first differing token's logit gap is within :func:`near_tie_tolerance`; None
         otherwise (a larger gap, equal outputs, or one output a prefix of the other: an early stop is no tie).
+
+    Raises:
+        ValueError: the model cannot run the inference forward (pipeline parallelism > 1:
+            :func:`~megatron_jf.inference.forward.forward_logits`).
     """
     import torch
 
