@@ -134,8 +134,13 @@ def fixture_for(path: str | Path, numerics: dict | None) -> Path | None:
     vendor = (numerics or {}).get("vendor")
     if not made or not vendor or made == vendor:
         return path
-    other = path.with_name(f"{path.stem}.{vendor}{path.suffix}")
+    other = _vendor_path(path, vendor)
     return other if other.is_file() else None
+
+
+def _vendor_path(path: Path, vendor: str) -> Path:
+    """``path`` with ``vendor`` before its suffix: the fixture of figures made on that vendor's CPUs."""
+    return path.with_name(f"{path.stem}.{vendor}{path.suffix}")
 
 
 def default_tolerance(name: str, value: float) -> float:
@@ -207,7 +212,7 @@ def main(argv=None) -> int:
         path = fixture_for(a.compare, numerics)
         if path is None:
             print(f"no golden figures made on a {numerics['vendor']} CPU next to {a.compare}: make them with "
-                  f"--write {Path(a.compare).with_name(Path(a.compare).stem + '.' + numerics['vendor'] + '.json')}")
+                  f"--write {_vendor_path(Path(a.compare), numerics['vendor'])}")
             return 1
         if str(path) != str(a.compare):
             print(f"comparing with {path} (the figures made on a {numerics['vendor']} CPU)")
