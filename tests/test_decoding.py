@@ -185,6 +185,86 @@ def test_forward_cost_measured_once_and_cached(models, monkeypatch, tmp_path):
     assert Engine(eng.model).forward_cost(rows=3).points() == cost.points()  # fewer rows: nothing to measure
 
 
+def test_packing_crossover_is_measured_kept_with_the_table_and_applied(models, monkeypatch, tmp_path):
+    """Before a model's first cost table on a CPU, the fp32 packing crossover is measured (both ways, interleaved),
+    set on the lean forward, stored with the table and applied again by a later engine reading the cache; the
+    choice minimises the measured time and moves off the default only for a real saving."""
+    import json
+
+    from megatron_jf.inference import cost_model
+    from megatron_jf.inference.engine import Engine
+    from megatron_jf.inference.lean_forward import NEVER_PACKED, PACKED_ONE_ROW_MIN, lean_forward_for
+    from megatron_jf.models.gpt import unwrap
+
+    choose = cost_model.choose_packed_min_rows
+    flat = {2: 1.0, 4: 1.0, 8: 1.0}
+    assert choose(flat, {2: 0.5, 4: 0.5, 8: 0.5}) == NEVER_PACKED  # transposed faster everywhere
+    assert choose({2: 0.5, 4: 0.5, 8: 0.5}, flat) == 2  # packed faster everywhere: the default
+    assert choose({2: 1.0, 4: 0.6, 8: 0.6}, {2: 0.7, 4: 1.0, 8: 1.0}) == 4  # a crossover
+    assert choose(flat, {2: 0.995, 4: 0.995, 8: 0.995}) == 2  # within the noise: the default stays
+    with pytest.raises(ValueError, match="same row counts"):
+        choose(flat, {2: 1.0})
+
+    monkeypatch.setenv("MEGATRON_JF_COST_CACHE", str(tmp_path))
+    _, eng = models["qwen2-random"]
+    lean = lean_forward_for(unwrap(eng.model))
+    if lean is None or not lean.packed:
+        pytest.skip("no lean forward with oneDNN packing here")
+    monkeypatch.setattr(lean, "packed_min_rows", 2)
+    seen = {}
+
+    def pick(packed, transposed, **kw):  # the real measurements, a forced choice (timings differ by machine)
+        seen.update(packed=packed, transposed=transposed)
+        return 4
+
+    monkeypatch.setattr(cost_model, "choose_packed_min_rows", pick)
+    cost = Engine(eng.model).forward_cost(rows=1, max_tokens=8)
+    assert sorted(seen["packed"]) == sorted(seen["transposed"]) == [2, 4, 8]
+    assert all(t > 0 for t in seen["packed"].values())
+    assert lean.packed_min_rows == 4 and cost.about["packed_min_rows"] == 4
+    # no weight of this model is large enough for the one-row choice: the default is kept, and recorded
+    assert lean.packed_one_row_min == PACKED_ONE_ROW_MIN == cost.about["packed_one_row_min"]
+    [f] = (tmp_path / "forward_cost").glob("*.json")
+    assert json.loads(f.read_text())["about"]["packed_min_rows"] == 4
+    lean.packed_min_rows, lean.packed_one_row_min = 2, 7
+    monkeypatch.setattr(cost_model, "calibrate_packing", lambda *a, **k: pytest.fail("measured again"))
+    Engine(eng.model).forward_cost(rows=1, max_tokens=8)
+    assert (lean.packed_min_rows, lean.packed_one_row_min) == (4, PACKED_ONE_ROW_MIN)  # applied from the cache
+
+
+@pytest.mark.parametrize("one_row_packed_faster", [True, False])
+def test_packing_calibration_follows_the_timings(models, monkeypatch, one_row_packed_faster):
+    """calibrate_packing sets each knob to the way its forwards were timed faster (timings given: the real ones
+    differ by machine): the one-row choice where the model has weights past the size threshold, the multi-row
+    crossover by choose_packed_min_rows; the runner's cache lengths are left empty."""
+    from megatron_jf.inference import cost_model, lean_forward
+    from megatron_jf.inference.runner import ModelRunner
+
+    _, eng = models["qwen2-random"]
+    runner = ModelRunner(eng.model, 1, cost_model.CONTEXT + 40)
+    lean = runner.lean
+    if lean is None or not lean.packed:
+        pytest.skip("no lean forward with oneDNN packing here")
+    monkeypatch.setattr(lean_forward, "PACKED_ONE_ROW_MIN", 1)  # every weight counts as large
+    monkeypatch.setattr(lean, "packed_one_row_min", 1)
+    monkeypatch.setattr(lean, "packed_min_rows", 2)
+
+    def fake(runner_, rows, s, gen, context):
+        assert runner_ is runner and rows == 1 and runner_.cache is runner.cache
+        if s == 1:
+            packed = lean.packed_one_row_min == 1
+            return 1.0 if packed == one_row_packed_faster else 1.5
+        packed = lean.packed_min_rows <= s
+        return s * (1.0 if packed == (s >= 8) else 1.3)  # packing pays from 8 rows
+
+    monkeypatch.setattr(cost_model, "_forward_seconds", fake)
+    got = cost_model.calibrate_packing(runner, max_tokens=16)
+    want_one = 1 if one_row_packed_faster else lean_forward.NEVER_PACKED
+    assert got == {"packed_one_row_min": want_one, "packed_min_rows": 8}
+    assert (lean.packed_one_row_min, lean.packed_min_rows) == (want_one, 8)
+    assert int(runner.cache.lengths.sum()) == 0
+
+
 @pytest.mark.parametrize("decoder,kw", [("jacobi", dict(block_size=4)), ("running-window", dict(block_size=4)),
                                         ("mr", dict(block_size=4, num_blocks=3, spawn_threshold=0.5)),
                                         ("ar", {})])

@@ -44,11 +44,13 @@ def test_lean_equals_megatron_and_transformers_no_cache(pairs, name):
                                forward_logits(m, toks, pos2, allowed=allowed, impl="megatron"), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("packed_min", [0, 1 << 62], ids=["packed", "transposed"])
+@pytest.mark.parametrize("packed_min,min_rows", [(0, 2), (1 << 62, 2), (0, 1 << 30)],
+                         ids=["packed", "transposed", "crossover-never"])
 @pytest.mark.parametrize("name", ["qwen2", "llama-tied"])
-def test_lean_equals_megatron_with_kv_cache_tree_mask_and_ragged_rows(pairs, name, packed_min, monkeypatch):
+def test_lean_equals_megatron_with_kv_cache_tree_mask_and_ragged_rows(pairs, name, packed_min, min_rows, monkeypatch):
     """Prefill (causal kernel), ragged committed lengths, a tree mask and a one-row step, both paths; multi-row
-    products through the oneDNN-packed weight copies and through the transposed ones (small products)."""
+    products through the oneDNN-packed weight copies and through the transposed ones (small products, or a
+    measured crossover, ``packed_min_rows``, that packs nothing)."""
     from megatron_jf.inference import lean_forward
     from megatron_jf.inference.forward import forward_logits
     from megatron_jf.models.gpt import new_kv_cache
@@ -56,6 +58,7 @@ def test_lean_equals_megatron_with_kv_cache_tree_mask_and_ragged_rows(pairs, nam
     hf, m = pairs[name]
     monkeypatch.setattr(lean_forward, "PACKED_MIN_MACS", packed_min)
     lf = lean_forward.lean_forward_for(m)
+    monkeypatch.setattr(lf, "packed_min_rows", min_rows)
     lf._wp.clear()
     prompt = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
     outs = {}
@@ -74,7 +77,8 @@ def test_lean_equals_megatron_with_kv_cache_tree_mask_and_ragged_rows(pairs, nam
         outs[impl] = seq
     for a, b in zip(outs["lean"], outs["megatron"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert bool(lf._wp) == (packed_min == 0 and lf.packed)  # the products went the way the threshold says
+    # the products went the way the thresholds say
+    assert bool(lf._wp) == (packed_min == 0 and min_rows == 2 and lf.packed)
     # the last one-row step of row 0 equals transformers on the committed sequence: prompt, tokens 0, 3, 4, 13
     full = torch.cat([prompt[0], torch.tensor([1, 4, 5, 13])])[None]
     ref = hf(full, position_ids=torch.tensor([list(range(9)) + [9, 10, 11, 12]])).logits[0, -1]
@@ -98,8 +102,8 @@ def test_one_row_products_take_the_packed_weights(dtype, monkeypatch, mp1):
     modes = (("packed", 0), ("megatron", 0)) if dtype == "bf16" else (("packed", 0), ("transposed", 1 << 62),
                                                                        ("megatron", 0))
     for mode, threshold in modes:
-        monkeypatch.setattr(lean_forward, "PACKED_ONE_ROW_MIN", threshold)  # fp32's knob; bf16 always packs
         lf = lean_forward.lean_forward_for(m)
+        lf.packed_one_row_min = threshold  # fp32's knob (measured by cost_model.calibrate_packing); bf16 always packs
         impl = "megatron" if mode == "megatron" else "lean"
         cache = new_kv_cache(m, 1, 16)
         forward_logits(m, prompt, torch.arange(7)[None], kv_cache=cache, return_logits=False, impl=impl)

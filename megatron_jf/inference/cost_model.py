@@ -12,6 +12,12 @@ forward, which every ratio is taken against, is timed next to every point (a bur
 would make every wider forward look cheap). On this project's CPU (SmolLM2-135M, one thread)
 a row count takes a few seconds, once: later starts read the file.
 
+Before the first table of a model is measured on a CPU, :func:`calibrate_packing` measures where the lean
+forward's fp32 products pay for oneDNN's packed weights (one-row products through large weights, and from how many
+rows multi-row ones: choices that differ by CPU and model shape), sets them on the lean forward and keeps them with
+the table (``about["packed_one_row_min"]``, ``about["packed_min_rows"]``); later starts apply the cached values.
+The table then times the forward as it will run.
+
 The table is written atomically to ``<cache dir>/forward_cost/<key>.json``, the key a hash of everything the cost
 depends on -- the model's shape, parameter dtype, device (CPU model or GPU name), torch threads, forward
 implementation, tensor-parallel size and the measured context -- so a later start on the same machine reads it
@@ -50,9 +56,16 @@ BUDGET_S = 4.0
 #: Passes over the points; each point's fastest time is kept (the machine's own cost: slower runs waited for a
 #: shared core).
 REPS = 3
+#: Tokens of the one-row forwards that weigh the lean forward's packed fp32 products against its transposed copies
+#: (:func:`calibrate_packing`): product row counts 2-32, the drafts of batch 1 and AR steps of small batches.
+PACKING_TOKENS = (2, 4, 8, 16, 32)
+#: A packing crossover other than the default is taken only when it saves more than this share of the measured time
+#: (noise on a shared machine must not move a forward off the path that was measured best on other CPUs).
+PACKING_MIN_SAVING = 0.02
 #: Bump when the measurement or the forward it times changes (old cache files are then ignored). 6: bf16 one-row
-#: products through oneDNN's packed weights (lean forward); 7: large fp32 one-row products too; 8: every bf16 product.
-VERSION = 8
+#: products through oneDNN's packed weights (lean forward); 7: large fp32 one-row products too; 8: every bf16 product;
+#: 9: the fp32 packing choices measured (``about["packed_one_row_min"]``, ``about["packed_min_rows"]``).
+VERSION = 9
 
 
 def _device_name(device: torch.device) -> str:
@@ -152,6 +165,118 @@ def _from_first_rank(obj):
     return box[0]
 
 
+def _forward_seconds(runner, rows: int, s: int, gen: torch.Generator, context: int) -> float:
+    """Seconds of one decode forward of ``rows`` rows x ``s`` random tokens after ``context`` committed ones (the
+    slowest tensor-parallel rank's)."""
+    vocab = unwrap(runner.model).vocab_size_unpadded
+    seqs = torch.randint(0, vocab, (rows, s), generator=gen).tolist()
+    runner.cache.lengths[:rows] = context
+    t0 = time.perf_counter()
+    runner.decode(0, rows, seqs, [context - 1] * rows, [s] * rows, [[]] * rows, tree=False)
+    synchronize(runner.device)
+    return agreed_seconds(time.perf_counter() - t0)
+
+
+def choose_packed_min_rows(packed: dict[int, float], transposed: dict[int, float],
+                           min_saving: float = PACKING_MIN_SAVING) -> int:
+    """The crossover ``LeanForward.packed_min_rows`` that makes the measured forwards fastest.
+
+    Args:
+        packed: seconds of a forward by product rows with every multi-row product past the MAC threshold packed.
+        transposed: the same forwards with every fp32 multi-row product through the transposed copies.
+        min_saving: a crossover other than the default (2: pack from two rows up) must save more than this share
+            of the total measured time.
+
+    Returns:
+        the smallest row count packed from (one of the measured counts), or
+        :data:`~megatron_jf.inference.lean_forward.NEVER_PACKED`.
+
+    Raises:
+        ValueError: the two dicts measure different row counts, or none.
+    """
+    from megatron_jf.inference.lean_forward import NEVER_PACKED
+
+    if not packed or set(packed) != set(transposed):
+        raise ValueError(f"packed and transposed must time the same row counts, got {sorted(packed)} and "
+                         f"{sorted(transposed)}")
+    counts = sorted(packed)
+
+    def total(threshold: int) -> float:
+        return sum(packed[r] if r >= threshold else transposed[r] for r in counts)
+
+    default = total(2)
+    best = min([*counts, NEVER_PACKED], key=total)
+    return best if total(best) < (1.0 - min_saving) * default else 2
+
+
+def calibrate_packing(runner, max_tokens: int, *, context: int = CONTEXT, reps: int = REPS) -> dict | None:
+    """Measure where the lean forward's fp32 products pay for oneDNN's packed weights on this machine, and set it
+    on the runner's lean forward: ``packed_one_row_min`` (one-row products through large weights packed or not)
+    and ``packed_min_rows`` (from how many rows multi-row products are packed).
+
+    One-token forwards are timed with the large one-row products packed and not (where the model has such
+    weights), then one-row forwards of :data:`PACKING_TOKENS` tokens (up to ``max_tokens``) with multi-row products
+    packed and not; the two ways interleaved, each point the fastest of ``reps`` passes after a warm-up. A choice
+    other than the default is taken only where it saves more than :data:`PACKING_MIN_SAVING`
+    (:func:`choose_packed_min_rows`). On an AVX-512 EPYC the defaults were measured best; on an Intel Xeon with
+    AMX a 256-hidden model's forwards of 2-32 tokens were 20-25 % faster with none packed, SmolLM2-135M's 15-30 %
+    slower, and SmolLM2's one-token forward faster with nothing packed.
+
+    Returns:
+        ``{"packed_one_row_min": elements, "packed_min_rows": rows}`` as set, or None where there is nothing to
+        choose (not the lean forward on a CPU, weights not fp32, or oneDNN packing unavailable).
+    """
+    from megatron_jf.inference.lean_forward import NEVER_PACKED, PACKED_ONE_ROW_MIN
+
+    lean = runner.lean
+    if (runner.impl != "lean" or lean is None or not lean.packed or runner.device.type != "cpu"
+            or lean.emb.weight.dtype != torch.float32):
+        return None
+    widths = [s for s in PACKING_TOKENS if s <= max_tokens]
+    large = any(p.numel() >= PACKED_ONE_ROW_MIN for p in unwrap(runner.model).parameters())
+    gen = torch.Generator().manual_seed(0)
+    before = lean.packed_one_row_min, lean.packed_min_rows
+    one = {PACKED_ONE_ROW_MIN: float("inf"), NEVER_PACKED: float("inf")}
+    multi: dict[int, dict[int, float]] = {2: {}, NEVER_PACKED: {}}
+    try:
+        if large:
+            for policy in one:  # warm-ups: the weight copies are made on first use
+                lean.packed_one_row_min = policy
+                _forward_seconds(runner, 1, 1, gen, context)
+            for _ in range(reps):
+                for policy in one:
+                    lean.packed_one_row_min = policy
+                    one[policy] = min(one[policy], _forward_seconds(runner, 1, 1, gen, context))
+        if widths:
+            for policy in multi:
+                lean.packed_min_rows = policy
+                _forward_seconds(runner, 1, widths[-1], gen, context)
+            for _ in range(reps):
+                for s in widths:
+                    for policy, got in multi.items():
+                        lean.packed_min_rows = policy
+                        got[s] = min(got.get(s, float("inf")), _forward_seconds(runner, 1, s, gen, context))
+    finally:
+        runner.cache.lengths.zero_()
+        lean.packed_one_row_min, lean.packed_min_rows = before
+    if large and one[NEVER_PACKED] < (1.0 - PACKING_MIN_SAVING) * one[PACKED_ONE_ROW_MIN]:
+        lean.packed_one_row_min = NEVER_PACKED
+    if widths:
+        lean.packed_min_rows = choose_packed_min_rows(multi[2], multi[NEVER_PACKED])
+    return {"packed_one_row_min": lean.packed_one_row_min, "packed_min_rows": lean.packed_min_rows}
+
+
+#: The lean forward's packing choices :func:`calibrate_packing` makes (kept in a cost table's ``about``).
+PACKING_KNOBS = ("packed_one_row_min", "packed_min_rows")
+
+
+def _apply_packing(runner, about: dict) -> None:
+    if runner.lean is not None:
+        for knob in PACKING_KNOBS:
+            if knob in about:
+                setattr(runner.lean, knob, int(about[knob]))
+
+
 def measure_rows(runner, rows: int, max_tokens: int, *, context: int = CONTEXT, budget_s: float = BUDGET_S,
                  reps: int = REPS) -> dict[int, float]:
     """Seconds of one decode forward of ``rows`` rows x ``s`` tokens (the fastest of ``reps``) for ``s`` in
@@ -161,18 +286,12 @@ def measure_rows(runner, rows: int, max_tokens: int, *, context: int = CONTEXT, 
         runner: a :class:`~megatron_jf.inference.runner.ModelRunner` with at least ``rows`` rows of
             ``context + max_tokens`` slots; its cache rows are used as scratch (lengths set to ``context``, then 0).
     """
-    vocab = unwrap(runner.model).vocab_size_unpadded
     gen = torch.Generator().manual_seed(0)
     cache = runner.cache
     grid = sorted({s for s in TOKENS if s < max_tokens} | {max_tokens})
 
     def once(s: int) -> float:
-        seqs = torch.randint(0, vocab, (rows, s), generator=gen).tolist()
-        cache.lengths[:rows] = context
-        t0 = time.perf_counter()
-        runner.decode(0, rows, seqs, [context - 1] * rows, [s] * rows, [[]] * rows, tree=False)
-        synchronize(runner.device)
-        return agreed_seconds(time.perf_counter() - t0)
+        return _forward_seconds(runner, rows, s, gen, context)
 
     try:
         once(1)  # warm-ups: first-call allocations, the lean forward's weight copies, CUDA graph capture
@@ -216,20 +335,28 @@ def ensure_cost(model, cost: ForwardCost | None, rows: int, max_tokens: int, run
     path = cache_file(key)
     cached = _load(path, key)
     points = {} if cached is None else cached.points()
+    about = {"key": key}
+    for known_table in (cached, cost):  # the packing choices measured with the points
+        if known_table is not None:
+            about.update({k: known_table.about[k] for k in PACKING_KNOBS if k in known_table.about})
     if cost is not None:
         points.update(cost.points())
-    points = _from_first_rank(points)
+    points, about = _from_first_rank((points, about))
     known = max(points, default=0)
     missing = [b for b in want if b > known]  # row counts below the largest known are interpolated
     if not missing:
-        out = ForwardCost(points, {"key": key})
-        if cached is None or set(points) != set(cached.rows):
+        _apply_packing(probe, about)
+        out = ForwardCost(points, about)
+        if cached is None or set(points) != set(cached.rows) or cached.about != about:
             _store(path, out)
         return out
     runner = ModelRunner(model, max(missing), CONTEXT + max_tokens + 1, **runner_options)
+    if not points:  # the packing choices are measured before the table: the table times the forward as it runs
+        about.update(calibrate_packing(runner, max_tokens) or {})
+    _apply_packing(runner, about)
     for b in missing:
         points[b] = measure_rows(runner, b, max_tokens)
     del runner
-    out = ForwardCost(points, {"key": key})
+    out = ForwardCost(points, about)
     _store(path, out)
     return out

@@ -79,6 +79,9 @@ def supports(model) -> bool:
 #: transposed copy; 1 M multiply-adds and up, packed was as fast or faster at every shape measured).
 PACKED_MIN_MACS = 1 << 19
 
+#: ``LeanForward.packed_min_rows`` meaning "never": fp32 multi-row products always go through the transposed copies.
+NEVER_PACKED = 1 << 30
+
 #: fp32 one-row products through weights of at least this many elements also take the packed copy: oneDNN reads
 #: a large packed weight faster than ``x @ W_t`` (SmolLM2-135M's 49,152 x 960 output layer at one row: 4.9 ms packed,
 #: 7.9 ms transposed, 11.0 ms ``F.linear``; its 1.5-4.9 M-element layer weights: equal within 5 %; a 256-hidden
@@ -136,6 +139,15 @@ class LeanForward:
         self.gemv_transposed: set[str] = self._gemv_policy(gemv)
         self._wt: dict[str, tuple] = {}
         self.packed = bool(self.gemv_transposed) and options.lean_packed_on() and _onednn_packing_works()
+        #: fp32 multi-row products take the packed copy only from this many rows (rows x tokens per row) up, and
+        #: only past :data:`PACKED_MIN_MACS`; 2 (every multi-row product past the MAC threshold) until
+        #: :func:`megatron_jf.inference.cost_model.calibrate_packing` measures where packing pays on this machine
+        #: (:data:`NEVER_PACKED`: nowhere). Output is the same either way, up to the products' rounding.
+        self.packed_min_rows = 2
+        #: fp32 one-row products take the packed copy through weights of at least this many elements
+        #: (:data:`PACKED_ONE_ROW_MIN` until :func:`~megatron_jf.inference.cost_model.calibrate_packing` measures
+        #: whether that pays here; :data:`NEVER_PACKED`: never).
+        self.packed_one_row_min = PACKED_ONE_ROW_MIN
         self._wp: dict[str, tuple] = {}
 
     def _gemv_policy(self, mode: str | None = None) -> set[str]:
@@ -155,8 +167,13 @@ class LeanForward:
         one; packed, 1.05-1.3x (AVX-512 EPYC, one thread), and batch-16 AR steps take 0.65x the time. A second
         extra copy of those weights. oneDNN's call costs ~10-15 us more than MKL's, so products below
         :data:`PACKED_MIN_MACS` multiply-adds (a 2-4 token draft through a 256-hidden model's weights) use the
-        transposed copy as one-row products do; one-row products through weights of :data:`PACKED_ONE_ROW_MIN`
-        elements or more (a large output layer) take the packed copy. bf16 weights take the packed copy for
+        transposed copy as one-row products do, and so do those of fewer than :attr:`packed_min_rows` rows, a
+        crossover measured on the machine (on an Intel Xeon with AMX every multi-row fp32 product of a
+        256-hidden model was faster through the transposed copy: a 16-token forward 2.2 ms against 2.9 packed);
+        one-row products through weights of :data:`PACKED_ONE_ROW_MIN` elements or more (a large output layer)
+        take the packed copy where that was measured to pay (:attr:`packed_one_row_min`; on that Xeon
+        SmolLM2-135M's one-token forward was faster with none packed: its output layer 7.5 ms transposed against
+        9.6 packed, cold cache). bf16 weights take the packed copy for
         one-row products too, and small products at any row count:
         oneDNN's native bf16 kernels (AVX-512 BF16) read half the bytes, where a bf16 ``x @ W_t`` is slower than
         fp32's (SmolLM2-135M's products at one row: 2.8 ms packed bf16 against 8.0 ms fp32 per layer's set of
@@ -184,9 +201,9 @@ class LeanForward:
         if w.dtype == torch.bfloat16:
             packed = True
         elif rows > 1:
-            packed = rows * w.numel() >= PACKED_MIN_MACS
+            packed = rows >= self.packed_min_rows and rows * w.numel() >= PACKED_MIN_MACS
         else:
-            packed = w.numel() >= PACKED_ONE_ROW_MIN
+            packed = w.numel() >= self.packed_one_row_min
         if packed:  # several rows of a large product, a large one-row one or any bf16 one (see _gemv_policy)
             if not self.packed or x.dtype != w.dtype or torch.is_autocast_enabled("cpu"):
                 return F.linear(x, w, bias)
