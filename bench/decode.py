@@ -286,6 +286,7 @@ def main(argv=None):
     from megatron_jf.eval.speed import warm_up
     from megatron_jf.hf_io import tokenizer_eos_ids
     from megatron_jf.inference.engine import Engine
+    from megatron_jf.inference.cost_model import packing_summary
     from megatron_jf.precision import cpu_bf16_feature, cpu_bf16_supported
 
     parallel.initialize(1, 1)
@@ -425,6 +426,8 @@ def main(argv=None):
         lines.append(f"\nforward cost measured ({dt}; ms by tokens per row; {cost_s[dt]:.1f} s to measure or read):")
         for rows_, curve in c.points().items():
             lines.append(f"  rows {rows_}: " + ", ".join(f"{s}: {1e3 * t:.1f}" for s, t in curve.items()))
+        if packing_summary(c.about):
+            lines.append(f"  {packing_summary(c.about)}")
     vc = None
     if a.verification_costs:
         vc = forward_costs(engines[next(iter(engines))].model, a.block_size)

@@ -257,6 +257,8 @@ def _median_ratio(rows: list[dict], base: list[dict]) -> tuple[float, float, flo
 
 
 def _table(model: str, results: dict, cost: dict | None) -> list[str]:
+    from megatron_jf.inference.cost_model import packing_summary
+
     lines = [f"\n### {model}",
              "| system | batch | tok/s | x ours AR (range) | x vLLM AR | TPF | mean acc. length | widths: mean, "
              "AR steps | rows = ours AR | tokens = own AR |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -296,6 +298,8 @@ def _table(model: str, results: dict, cost: dict | None) -> list[str]:
                      f"{cost['about'].get('key', {}).get('threads', '?')} thread(s)):")
         for b, curve in cost["points"].items():
             lines.append(f"  rows {b}: " + ", ".join(f"{s}: {1e3 * t:.0f}" for s, t in curve.items()))
+        if packing_summary(cost["about"]):
+            lines.append(f"  {packing_summary(cost['about'])}")
     return lines
 
 

@@ -230,6 +230,10 @@ def test_packing_crossover_is_measured_kept_with_the_table_and_applied(models, m
     monkeypatch.setattr(cost_model, "calibrate_packing", lambda *a, **k: pytest.fail("measured again"))
     Engine(eng.model).forward_cost(rows=1, max_tokens=8)
     assert (lean.packed_min_rows, lean.packed_one_row_min) == (4, PACKED_ONE_ROW_MIN)  # applied from the cache
+    summary = cost_model.packing_summary(cost.about)  # what the benches print next to the cost table
+    assert "multi-row from 4 rows" in summary and "(the default)" in summary
+    assert "multi-row none" in cost_model.packing_summary({**cost.about, "packed_min_rows": NEVER_PACKED})
+    assert cost_model.packing_summary({"key": {}}) is None
 
 
 @pytest.mark.parametrize("one_row_packed_faster", [True, False])

@@ -270,6 +270,21 @@ def calibrate_packing(runner, max_tokens: int, *, context: int = CONTEXT, reps: 
 PACKING_KNOBS = ("packed_one_row_min", "packed_min_rows")
 
 
+def packing_summary(about: dict) -> str | None:
+    """One line saying what :func:`calibrate_packing` chose (from a cost table's ``about``), or None when it did
+    not run (not the lean forward on a CPU with fp32 weights)."""
+    from megatron_jf.inference.lean_forward import NEVER_PACKED, PACKED_ONE_ROW_MIN
+
+    if not all(k in about for k in PACKING_KNOBS):
+        return None
+    one = int(about["packed_one_row_min"])
+    multi = int(about["packed_min_rows"])
+    one_s = "none" if one >= NEVER_PACKED else f"through weights of >= {one:,} elements" + (
+        " (the default)" if one == PACKED_ONE_ROW_MIN else "")
+    multi_s = "none" if multi >= NEVER_PACKED else f"from {multi} rows" + (" (the default)" if multi == 2 else "")
+    return f"oneDNN-packed fp32 products, as measured on this machine: one-row {one_s}; multi-row {multi_s}"
+
+
 def _apply_packing(runner, about: dict) -> None:
     if runner.lean is not None:
         for knob in PACKING_KNOBS:
