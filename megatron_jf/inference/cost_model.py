@@ -225,6 +225,10 @@ def calibrate_packing(runner, max_tokens: int, *, context: int = CONTEXT, reps: 
     Returns:
         ``{"packed_one_row_min": elements, "packed_min_rows": rows}`` as set, or None where there is nothing to
         choose (not the lean forward on a CPU, weights not fp32, or oneDNN packing unavailable).
+
+    Raises:
+        nothing of its own; an error of the forward itself propagates, with the lean forward's choices and the
+        runner's cache lengths restored.
     """
     from megatron_jf.inference.lean_forward import NEVER_PACKED, PACKED_ONE_ROW_MIN
 
@@ -272,7 +276,8 @@ PACKING_KNOBS = ("packed_one_row_min", "packed_min_rows")
 
 def packing_summary(about: dict) -> str | None:
     """One line saying what :func:`calibrate_packing` chose (from a cost table's ``about``), or None when it did
-    not run (not the lean forward on a CPU with fp32 weights)."""
+    not run (not the lean forward on a CPU with fp32 weights). Raises nothing: a table without the choices gives
+    None."""
     from megatron_jf.inference.lean_forward import NEVER_PACKED, PACKED_ONE_ROW_MIN
 
     if not all(k in about for k in PACKING_KNOBS):
