@@ -6,8 +6,9 @@ What ``bf16`` means where (``pretrain_jf.py --precision bf16`` / ``--bf16``):
   optimizer -- unchanged, not handled here.
 * **CPU** (torch AdamW): the weights stay fp32 -- they are the master weights, and AdamW and its state stay fp32
   -- and every forward (and the loss) runs under ``torch.autocast("cpu", dtype=torch.bfloat16)``: matrix products
-  (the linear layers, attention scores and output layer) take bf16 inputs and accumulate in fp32, bf16 results;
-  embeddings, norms, residual sums, softmax and the losses stay fp32 (the losses cast logits to fp32). Gradients
+  (the linear layers and output layer) take bf16 inputs and accumulate in fp32, bf16 results; embeddings, norms,
+  residual sums, the losses (they cast logits to fp32) and -- up to :data:`CPU_FP32_ATTENTION_MAX_KEYS` keys -- the
+  core attention stay fp32 (:func:`cpu_attention_in_fp32`). Gradients
   reach the fp32 weights as fp32. Same compute precision as the GPU path, without a second copy of the weights.
 
 bf16 only pays on a CPU with native bf16 dot products (x86 AVX-512 BF16 or AMX, Arm ``bf16``); elsewhere
@@ -33,7 +34,8 @@ import warnings
 
 import torch
 
-__all__ = ["CPU_BF16_ENV", "cpu_bf16_feature", "cpu_bf16_supported", "require_cpu_bf16", "residual_stream_dtype", "autocast"]
+__all__ = ["CPU_BF16_ENV", "CPU_FP32_ATTENTION_MAX_KEYS", "cpu_bf16_feature", "cpu_bf16_supported", "require_cpu_bf16",
+           "residual_stream_dtype", "cpu_attention_in_fp32", "autocast"]
 
 #: ``1``: allow bf16 on a CPU without native bf16 (tests, measurements); ``0``: treat the CPU as without it.
 CPU_BF16_ENV = "MEGATRON_JF_CPU_BF16"
@@ -129,6 +131,28 @@ def _wrap_megatron_linears() -> None:
     # weights stay fp32: torch's RMSNorm then takes its unfused path and says so once; that is the intended mix
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
     _LINEARS_WRAPPED = True
+
+
+#: Under CPU bf16 autocast the core attention (softmax(QK^T)V, forward and backward) runs in fp32 on its bf16 inputs
+#: up to this many keys. torch's CPU flash-attention backward is slower in bf16 than in fp32 at short rows: on an
+#: Intel Xeon with AMX (torch 2.13, 2 threads, causal, 8 query / 2 KV heads of 32) forward + backward of
+#: [16 rows x 256 tokens] took 35.0 ms in bf16 against 23.8 ms cast to fp32, 376 tokens 76.7 vs 61.8, 128 tokens 23.9 vs
+#: 6.7, but 1,024 tokens 47.6 vs 54.5: fp32 pays up to ~600 keys there. The default quickstart's training steps
+#: (2 threads): base +12 % tokens/s, JF round +9 %.
+CPU_FP32_ATTENTION_MAX_KEYS = 512
+
+
+def cpu_attention_in_fp32(query: torch.Tensor, num_keys: int) -> bool:
+    """True when the core attention over ``num_keys`` keys should run in fp32: ``query`` is on the CPU inside a
+    bf16 / fp16 CPU autocast region and ``num_keys <= CPU_FP32_ATTENTION_MAX_KEYS`` (see there). Raises nothing."""
+    if query.is_cuda or num_keys > CPU_FP32_ATTENTION_MAX_KEYS:
+        return False
+    try:
+        on = torch.is_autocast_enabled("cpu")
+        dtype = torch.get_autocast_dtype("cpu")
+    except TypeError:  # torch < 2.4
+        on, dtype = torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+    return on and dtype != torch.float32
 
 
 @contextlib.contextmanager

@@ -57,6 +57,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_jf import platform
+from megatron_jf.precision import cpu_attention_in_fp32
 
 
 @dataclass
@@ -182,10 +183,13 @@ class JFCoreAttention(MegatronModule):
             k, v, allow = cache.update(self.cache_slot, k, v)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=allow, scale=self.softmax_scale,
                                                  enable_gqa=gqa)
-        elif attention_mask is None:
-            out = gqa_sdpa(q, k, v, None, self.softmax_scale)
         else:
-            out = gqa_sdpa(q, k, v, ~attention_mask, self.softmax_scale)
+            allow = None if attention_mask is None else ~attention_mask
+            if cpu_attention_in_fp32(q, k.shape[2]):  # CPU bf16 autocast: fp32 is faster here (megatron_jf.precision)
+                with torch.autocast("cpu", enabled=False):
+                    out = gqa_sdpa(q.float(), k.float(), v.float(), allow, self.softmax_scale).to(q.dtype)
+            else:
+                out = gqa_sdpa(q, k, v, allow, self.softmax_scale)
         return out.permute(2, 0, 1, 3).reshape(sq, b, nh * hd)
 
 
