@@ -101,6 +101,10 @@ def test_recipe_options_reach_pretrain_jf(tmp_path, monkeypatch):
     old = replace(pipe.p, consistency_positions="all", resample_noise=True)
     a, _ = _jf_args(P.Pipeline(pipe.out, old, log=lambda *x: None), monkeypatch)
     assert _flag(a, "--consistency-positions") == "all" and "--resample-noise-per-epoch" in a
+    # L_pc's form: the paper's KL unless the preset names another
+    assert _flag(a, "--consistency-loss") == "kl"
+    a, _ = _jf_args(P.Pipeline(pipe.out, replace(old, jf_consistency_loss="hard"), log=lambda *x: None), monkeypatch)
+    assert _flag(a, "--consistency-loss") == "hard"
     # the JF cosine's floor: a tenth of the peak by default, the preset's fraction when set
     assert float(_flag(a, "--min-lr")) == pytest.approx(float(_flag(a, "--lr")) / 10)
     a, _ = _jf_args(P.Pipeline(pipe.out, replace(pipe.p, jf_min_lr_ratio=0.01), log=lambda *x: None), monkeypatch)

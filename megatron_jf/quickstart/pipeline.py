@@ -135,6 +135,9 @@ class Preset:
     # which (block, offset) pairs carry L_pc (pretrain_jf.py --consistency-positions): "all" or "from_first_diff"
     # (the official code's: offsets from the first unconverged token)
     consistency_positions: str = "all"
+    # L_pc's form (pretrain_jf.py --consistency-loss): "kl" (paper Eq. 8: KL from the clean position's distribution
+    # to the noisy one's), "soft_ce" or "hard" (cross-entropy against the fixed-point token; no teacher rows)
+    jf_consistency_loss: str = "kl"
     resample_noise: bool = False  # re-draw each record's noisy states every epoch (--resample-noise-per-epoch)
     group_by_length: bool = False  # JF rounds: micro-batches of similar-length trajectories (--group-by-length)
     # what L_AR (paper Eq. 9, weight jf_ar_weight) trains on: "self" (the clean blocks: the model's own greedy
@@ -617,7 +620,7 @@ class Pipeline:
         elif anchor_weight > 0:
             anchor = ["--anchor-data", self.anchor_tokens(), "--anchor-weight", anchor_weight,
                       "--anchor-seq-length", p.pretrain_seq, "--anchor-micro-batch-size", p.anchor_mbs]
-        recipe = ["--consistency-positions", p.consistency_positions]
+        recipe = ["--consistency-positions", p.consistency_positions, "--consistency-loss", p.jf_consistency_loss]
         recipe += ["--seed", p.jf_seed] if p.jf_seed is not None else []
         recipe += ["--resample-noise-per-epoch"] if p.resample_noise else []
         recipe += ["--group-by-length"] if p.group_by_length else []
