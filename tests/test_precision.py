@@ -309,3 +309,51 @@ def test_output_layer_backward_is_one_matrix_product(mp1):
     assert "bmm" in ref_names  # what the hook avoids (if torch ever folds it itself, this test has nothing left)
     for n, g in grads.items():
         torch.testing.assert_close(g, ref[n], rtol=1e-2, atol=1e-4, msg=n)  # bf16 products, summed in another order
+
+
+def test_rmsnorm_under_cpu_autocast_runs_compiled_in_fp32(monkeypatch):
+    """Inside a CPU autocast region a bf16 row with the fp32 weight goes through the inductor-compiled
+    ``rms_norm_fp32`` (one fused pass instead of the composite path's several; ``megatron_jf.models.norm``): the output
+    and the input / weight gradients equal the eager fp32 formula rounded once to bf16 (within one bf16 step of
+    it: compiled and eager fp32 sum in different orders), and the compiled function is what ran. Where compiling
+    fails, one warning and the composite path, with the same values as ``torch.nn.RMSNorm``."""
+    from types import SimpleNamespace
+
+    from megatron_jf.models import norm
+
+    cfg = SimpleNamespace(normalization="RMSNorm", params_dtype=torch.float32)
+    g = torch.Generator().manual_seed(7)
+    layer = norm.RMSNorm(cfg, 48, eps=1e-6)
+    with torch.no_grad():
+        layer.weight.copy_(1 + 0.5 * torch.randn(48, generator=g))
+    x0 = torch.randn(3, 5, 48, generator=g).bfloat16()
+    go = torch.randn(3, 5, 48, generator=g).bfloat16()
+
+    def run(fn):
+        x = x0.clone().requires_grad_()
+        layer.weight.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = fn(x)
+        y.backward(go)
+        return y, x.grad, layer.weight.grad.clone()
+
+    calls = []
+    compiled = norm._compiled_rms_norm()
+    monkeypatch.setattr(norm, "_compiled_rms_norm", lambda: lambda *a: calls.append(1) or compiled(*a))
+    got = run(layer)
+    assert calls and got[0].dtype == torch.bfloat16
+    want = run(lambda x: norm.rms_norm_fp32(x, layer.weight, 1e-6))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-5)
+
+    def broken():
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(norm, "_compiled_rms_norm", broken)
+    monkeypatch.setattr(norm, "_COMPILED", None)
+    with pytest.warns(UserWarning, match="torch.compile failed"):
+        fallback = run(layer)
+    assert norm._COMPILED is False
+    composite = run(lambda x: torch.nn.RMSNorm.forward(layer, x))
+    for a, b in zip(fallback, composite):
+        assert torch.equal(a, b)
