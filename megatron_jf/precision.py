@@ -35,7 +35,7 @@ import warnings
 import torch
 
 __all__ = ["CPU_BF16_ENV", "CPU_FP32_ATTENTION_MAX_KEYS", "cpu_bf16_feature", "cpu_bf16_supported", "require_cpu_bf16",
-           "residual_stream_dtype", "cpu_attention_in_fp32", "autocast"]
+           "residual_stream_dtype", "cpu_autocast_dtype", "cpu_attention_in_fp32", "CompiledOnCPU", "autocast"]
 
 #: ``1``: allow bf16 on a CPU without native bf16 (tests, measurements); ``0``: treat the CPU as without it.
 CPU_BF16_ENV = "MEGATRON_JF_CPU_BF16"
@@ -142,17 +142,50 @@ def _wrap_megatron_linears() -> None:
 CPU_FP32_ATTENTION_MAX_KEYS = 512
 
 
-def cpu_attention_in_fp32(query: torch.Tensor, num_keys: int) -> bool:
-    """True when the core attention over ``num_keys`` keys should run in fp32: ``query`` is on the CPU inside a
-    bf16 / fp16 CPU autocast region and ``num_keys <= CPU_FP32_ATTENTION_MAX_KEYS`` (see there). Raises nothing."""
-    if query.is_cuda or num_keys > CPU_FP32_ATTENTION_MAX_KEYS:
-        return False
+def cpu_autocast_dtype() -> torch.dtype | None:
+    """The lower-precision dtype of the CPU autocast region this runs in (bf16 / fp16), or None outside one."""
     try:
         on = torch.is_autocast_enabled("cpu")
         dtype = torch.get_autocast_dtype("cpu")
     except TypeError:  # torch < 2.4
         on, dtype = torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
-    return on and dtype != torch.float32
+    return dtype if on and dtype != torch.float32 else None
+
+
+def cpu_attention_in_fp32(query: torch.Tensor, num_keys: int) -> bool:
+    """True when the core attention over ``num_keys`` keys should run in fp32: ``query`` is on the CPU inside a
+    bf16 / fp16 CPU autocast region and ``num_keys <= CPU_FP32_ATTENTION_MAX_KEYS`` (see there). Raises nothing."""
+    if query.is_cuda or num_keys > CPU_FP32_ATTENTION_MAX_KEYS:
+        return False
+    return cpu_autocast_dtype() is not None
+
+
+class CompiledOnCPU:
+    """``fn`` compiled by torch's inductor on first call (dynamic shapes: new lengths do not recompile), for the
+    elementwise chains of the CPU mixed-precision step that torch runs as one pass per operation (RMSNorm).
+
+    Calling it returns ``fn``'s result, or None where compiling failed (e.g. no C++ compiler): then one warning, and
+    every later call returns None at once, so the caller keeps its uncompiled path. Compiling takes seconds, once
+    per process (inductor's cache on disk shortens later ones).
+    """
+
+    def __init__(self, fn, name: str):
+        self.fn, self.name = fn, name
+        self.compiled = None  # None: not built yet; False: compiling failed
+
+    def __call__(self, *args):
+        if self.compiled is False:
+            return None
+        if self.compiled is None:
+            self.compiled = torch.compile(self.fn, dynamic=True)
+        try:
+            return self.compiled(*args)
+        except Exception as err:  # inductor could not build its kernel
+            self.compiled = False
+            first = str(err).splitlines()[0] if str(err) else ""
+            warnings.warn(f"{self.name}: torch.compile failed on this CPU ({type(err).__name__}: {first}); "
+                          "the uncompiled path is used")
+            return None
 
 
 @contextlib.contextmanager

@@ -338,22 +338,23 @@ def test_rmsnorm_under_cpu_autocast_runs_compiled_in_fp32(monkeypatch):
         return y, x.grad, layer.weight.grad.clone()
 
     calls = []
-    compiled = norm._compiled_rms_norm()
-    monkeypatch.setattr(norm, "_compiled_rms_norm", lambda: lambda *a: calls.append(1) or compiled(*a))
+    compiled = norm.COMPILED_RMS_NORM
+    monkeypatch.setattr(norm, "COMPILED_RMS_NORM", lambda *a: calls.append(1) or compiled(*a))
     got = run(layer)
     assert calls and got[0].dtype == torch.bfloat16
     want = run(lambda x: norm.rms_norm_fp32(x, layer.weight, 1e-6))
     for a, b in zip(got, want):
         torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-5)
 
-    def broken():
+    def broken(*_):
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(norm, "_compiled_rms_norm", broken)
-    monkeypatch.setattr(norm, "_COMPILED", None)
+    failing = type(compiled)(broken, "RMSNorm")
+    failing.compiled = broken  # as if inductor had built it and its kernel then failed to run
+    monkeypatch.setattr(norm, "COMPILED_RMS_NORM", failing)
     with pytest.warns(UserWarning, match="torch.compile failed"):
         fallback = run(layer)
-    assert norm._COMPILED is False
+    assert failing.compiled is False and failing(None) is None
     composite = run(lambda x: torch.nn.RMSNorm.forward(layer, x))
     for a, b in zip(fallback, composite):
         assert torch.equal(a, b)

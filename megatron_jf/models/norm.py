@@ -25,12 +25,9 @@ compiler), the first call says so once and the composite path stays.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
-#: the compiled :func:`rms_norm_fp32` (None: not built yet; False: compiling failed, the composite path is used)
-_COMPILED = None
+from megatron_jf.precision import CompiledOnCPU, cpu_autocast_dtype
 
 
 def rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -49,18 +46,8 @@ def rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return (y * weight.float()).to(x.dtype)
 
 
-def _compiled_rms_norm():
-    global _COMPILED
-    if _COMPILED is None:
-        _COMPILED = torch.compile(rms_norm_fp32, dynamic=True)
-    return _COMPILED
-
-
-def _cpu_autocast_on() -> bool:
-    try:
-        return torch.is_autocast_enabled("cpu")
-    except TypeError:  # torch < 2.4
-        return torch.is_autocast_cpu_enabled()
+#: :func:`rms_norm_fp32` compiled (None from a call where compiling failed)
+COMPILED_RMS_NORM = CompiledOnCPU(rms_norm_fp32, "RMSNorm")
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -91,13 +78,8 @@ class RMSNorm(torch.nn.RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., h]`` -> the same shape and dtype. Inside a CPU autocast region with a weight of another dtype than
         ``x``: the compiled :func:`rms_norm_fp32` (module docstring); else ``torch.nn.RMSNorm``'s forward."""
-        global _COMPILED
-        if x.dtype != self.weight.dtype and x.device.type == "cpu" and _COMPILED is not False and _cpu_autocast_on():
-            eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-            try:
-                return _compiled_rms_norm()(x, self.weight, eps)
-            except Exception as err:  # inductor could not build its kernel (e.g. no C++ compiler)
-                _COMPILED = False
-                warnings.warn(f"RMSNorm: torch.compile failed on this CPU ({type(err).__name__}: "
-                              f"{str(err).splitlines()[0] if str(err) else ''}); the uncompiled path is used")
+        if x.dtype != self.weight.dtype and x.device.type == "cpu" and cpu_autocast_dtype() is not None:
+            y = COMPILED_RMS_NORM(x, self.weight, self.eps if self.eps is not None else torch.finfo(x.dtype).eps)
+            if y is not None:
+                return y
         return super().forward(x)
