@@ -827,7 +827,8 @@ def main(argv=None):
     elif preset.name == "default":
         print("default preset: model A (GSM-Symbolic word problems) end to end, about 44 minutes on 2 idle cores of an "
               "AVX-512 AMD EPYC (pretraining 17, trajectories 8, Jacobi Forcing 14, report 5; "
-              "docs/quickstart_default/), about 52 on an Intel Xeon with AMX (trajectories 12, Jacobi Forcing 17).",
+              "docs/quickstart_default/), about 45 on an Intel Xeon with AMX (pretraining 13, trajectories 12, Jacobi "
+              "Forcing 13, report 6; docs/results.md).",
               flush=True)
     changed = {f: getattr(preset, f) for f in knobs if getattr(preset, f) != getattr(named_preset(preset.name), f)}
     if changed:
