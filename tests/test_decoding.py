@@ -185,6 +185,33 @@ def test_forward_cost_measured_once_and_cached(models, monkeypatch, tmp_path):
     assert Engine(eng.model).forward_cost(rows=3).points() == cost.points()  # fewer rows: nothing to measure
 
 
+def test_forward_cost_follows_the_thread_count(models, monkeypatch, tmp_path):
+    """An engine holding a table measured at one torch thread count does not use it at another (the report times its
+    decoders at 1 thread after evaluating them batched at 2): it reads or measures that count's table, and goes back
+    to the first one's when the count does."""
+    import json
+
+    from megatron_jf.inference.engine import Engine
+
+    monkeypatch.setenv("MEGATRON_JF_COST_CACHE", str(tmp_path))
+    _, eng = models["qwen2-random"]
+    engine = Engine(eng.model)
+    before = torch.get_num_threads()
+    other = 2 if before == 1 else 1
+    first = engine.forward_cost(rows=1, max_tokens=8)
+    try:
+        torch.set_num_threads(other)
+        second = engine.forward_cost(rows=1, max_tokens=8)
+    finally:
+        torch.set_num_threads(before)
+    assert first.about["key"]["threads"] == before and second.about["key"]["threads"] == other
+    assert len(list((tmp_path / "forward_cost").glob("*.json"))) == 2
+    back = engine.forward_cost(rows=1, max_tokens=8)
+    assert back.about["key"]["threads"] == before and back.points() == first.points()
+    assert {json.loads(f.read_text())["about"]["key"]["threads"]
+            for f in (tmp_path / "forward_cost").glob("*.json")} == {before, other}
+
+
 def test_packing_crossover_is_measured_kept_with_the_table_and_applied(models, monkeypatch, tmp_path):
     """Before a model's first cost table on a CPU, the fp32 packing crossover is measured (both ways, interleaved),
     set on the lean forward, stored with the table and applied again by a later engine reading the cache; the

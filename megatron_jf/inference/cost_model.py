@@ -343,11 +343,14 @@ def ensure_cost(model, cost: ForwardCost | None, rows: int, max_tokens: int, run
     itself that lie above the largest row count known (those below it are interpolated).
 
     Args:
-        cost: the table the engine holds (or None).
+        cost: the table the engine holds (or None; one measured at another torch thread count is not used: the
+            table of this thread count is read from the cache or measured).
         rows: rows of the batch about to decode; max_tokens: the widest forward per row it allows.
         runner_options: the engine's :class:`~megatron_jf.inference.runner.ModelRunner` fields.
     """
     want = sorted({b for b in ROWS if b < rows} | {min(rows, ROWS[-1])})
+    if cost is not None and cost.about.get("key", {}).get("threads", torch.get_num_threads()) != torch.get_num_threads():
+        cost = None  # measured at another torch thread count (a timing run at 1 thread after a batched one at 2)
     if cost is not None and max(cost.rows) >= want[-1]:
         return cost
     probe = ModelRunner(model, 1, 2, **runner_options)  # resolves the forward implementation
