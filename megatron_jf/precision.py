@@ -143,7 +143,8 @@ CPU_FP32_ATTENTION_MAX_KEYS = 512
 
 
 def cpu_autocast_dtype() -> torch.dtype | None:
-    """The lower-precision dtype of the CPU autocast region this runs in (bf16 / fp16), or None outside one."""
+    """The lower-precision dtype of the CPU autocast region this runs in (bf16 / fp16), or None outside one (or in
+    an fp32 one). Raises nothing."""
     try:
         on = torch.is_autocast_enabled("cpu")
         dtype = torch.get_autocast_dtype("cpu")
@@ -166,7 +167,8 @@ class CompiledOnCPU:
 
     Calling it returns ``fn``'s result, or None where compiling failed (e.g. no C++ compiler): then one warning, and
     every later call returns None at once, so the caller keeps its uncompiled path. Compiling takes seconds, once
-    per process (inductor's cache on disk shortens later ones).
+    per process (inductor's cache on disk shortens later ones). Raises nothing of its own: an error inside ``fn``
+    also ends in None and the warning, and the caller's uncompiled path then meets it again.
     """
 
     def __init__(self, fn, name: str):

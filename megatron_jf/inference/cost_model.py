@@ -349,7 +349,8 @@ def ensure_cost(model, cost: ForwardCost | None, rows: int, max_tokens: int, run
         runner_options: the engine's :class:`~megatron_jf.inference.runner.ModelRunner` fields.
     """
     want = sorted({b for b in ROWS if b < rows} | {min(rows, ROWS[-1])})
-    if cost is not None and cost.about.get("key", {}).get("threads", torch.get_num_threads()) != torch.get_num_threads():
+    threads = torch.get_num_threads()
+    if cost is not None and cost.about.get("key", {}).get("threads", threads) != threads:
         cost = None  # measured at another torch thread count (a timing run at 1 thread after a batched one at 2)
     if cost is not None and max(cost.rows) >= want[-1]:
         return cost

@@ -245,7 +245,7 @@ class _ContiguousGrad(torch.autograd.Function):
 def contiguous_logits_grad(module, args, output):
     """Forward hook of the output layer (``ColumnParallelLinear``, output ``(logits [s, b, V_local], bias)``):
     the logits' gradient arrives contiguous at the layer's backward (module docstring). Values unchanged; only when
-    the logits need a gradient."""
+    the logits need a gradient (otherwise returns None: the output stays as it is). Raises nothing."""
     logits, bias = output
     if not (torch.is_grad_enabled() and logits.requires_grad):
         return None

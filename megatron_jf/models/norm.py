@@ -39,7 +39,7 @@ def rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
         eps: added to the mean square.
 
     Returns:
-        ``x``'s shape and dtype.
+        ``x``'s shape and dtype. Raises nothing of its own (a ``weight`` that does not broadcast: torch's error).
     """
     xf = x.float()
     y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
