@@ -71,13 +71,14 @@ def test_recipe_options_reach_pretrain_jf(tmp_path, monkeypatch):
     # the preset's recipe: L_pc from the first unconverged token, each record's noisy states drawn once, L_AR on the
     # model's own output and on ground-truth answers (arm "C, fixed states" of docs/results.md)
     assert _flag(a, "--consistency-positions") == "from_first_diff" and "--resample-noise-per-epoch" not in a
-    assert float(_flag(a, "--ar-weight")) == 2 and float(_flag(a, "--anchor-weight")) == 2  # w=2 on both AR terms
+    # w=4 on the model's own output, 8 on the ground truth (arm "w=4 / gt 8" of docs/results.md)
+    assert float(_flag(a, "--ar-weight")) == 4 and float(_flag(a, "--anchor-weight")) == 8
     assert _flag(a, "--anchor-data") == str(pipe.path("tokens_gt_train.npy"))
-    self_only = replace(pipe.p, ar_target="self", jf_ar_weight=1.0)
+    self_only = replace(pipe.p, ar_target="self", jf_ar_weight=1.0, jf_gt_weight=None)
     a, _ = _jf_args(P.Pipeline(pipe.out, self_only, log=lambda *x: None), monkeypatch)
     assert float(_flag(a, "--ar-weight")) == 1 and "--anchor-data" not in a
     # L_AR on ground-truth answers: the clean blocks' AR weight goes to rows of the training prompts' answers
-    gt = replace(pipe.p, ar_target="ground_truth", jf_ar_weight=2.0)
+    gt = replace(pipe.p, ar_target="ground_truth", jf_ar_weight=2.0, jf_gt_weight=None)
     a, _ = _jf_args(P.Pipeline(pipe.out, gt, log=lambda *x: None), monkeypatch)
     assert float(_flag(a, "--ar-weight")) == 0 and float(_flag(a, "--anchor-weight")) == 2
     assert _flag(a, "--anchor-data") == str(pipe.path("tokens_gt_train.npy"))
@@ -333,3 +334,55 @@ def test_a_drop_of_exactly_two_points_meets_the_accuracy_target():
     assert line(19) == "Exact answers 11.5% -> 9.5% (-2.0 points): target at most 2 points below base met."
     assert line(18).endswith("(-2.5 points): target at most 2 points below base missed.")
     assert line(23).endswith("met.")
+
+
+def test_headline_tpf_is_measured_at_the_presets_evaluation_block_size():
+    """``Preset.eval_n``: the target's gain is read at the paper's evaluation block size (Sec. 4.2: Jacobi at n=128)
+    from the report's block-size sweep, with the training block size's gain next to it; without it, the Jacobi row's
+    TPF at the decoders' n as before. Values chosen so the two verdicts differ."""
+    from megatron_jf.quickstart.interpret import headline_tpf, math_targets
+    from megatron_jf.quickstart.report import _math_markdown
+
+    rows = [{"model": m, "decoder": "Jacobi (n=16)", "tpf": t, "nll": 0.3, "distinct4": 0.45}
+            for m, t in (("base", 1.08), ("JF", 1.49))]
+    q = {"correct": 11, "problems": 100, "accuracy": 0.11, "step_accuracy": 0.5, "steps": 400}
+    s = {"rows": rows, "math_quality": {"base": q, "JF": q}, "n": 16, "eval_prompts": 100,
+         "tpf_by_block_size": {"base": {16: 1.08, 128: 1.12}, "JF": {16: 1.49, 128: 1.66}}}
+    line = math_targets(s, "base", "JF")[0]
+    assert "(+0.41): target a gain >= 0.5 missed" in line and "n=128" not in line
+    s["headline_n"] = 128
+    line = math_targets(s, "base", "JF")[0]
+    assert line.startswith("Held-out Jacobi TPF at n=128") and "1.12 -> 1.66 (+0.54): target a gain >= 0.5 met" in line
+    assert "at the training block size n=16: 1.08 -> 1.49 (+0.41)" in line
+    s["tpf_by_block_size"] = json.loads(json.dumps(s["tpf_by_block_size"]))  # report.json's string keys
+    assert headline_tpf(s, "JF") == 1.66
+    table = "\n".join(_math_markdown(s))
+    assert "| Jacobi TPF n=128 |" in table and "| 1.49 | 1.66 |" in table
+    with pytest.raises(ValueError, match="eval_n=64 must be one of eval_block_sizes"):
+        replace(P.PRESETS["default"], eval_n=64)
+    assert P.PRESETS["default"].headline_n == 128 and P.PRESETS["smoke"].headline_n == P.PRESETS["smoke"].report_n
+
+
+def test_collection_precision_reaches_the_collector(tmp_path, monkeypatch):
+    """``Preset.collect_precision``: ``--bf16`` reaches ``tools/generate_trajectories.py`` for "bf16", and for "auto"
+    exactly where the CPU has native bf16; None follows ``precision`` (bf16 collection only with "bf16")."""
+    import megatron_jf.precision as prec
+
+    pipe = _pipe(tmp_path)
+    calls = []
+    monkeypatch.setattr(P.Pipeline, "run", lambda self, args, stage, python=None: calls.append([str(a) for a in args]))
+
+    def collect(**kw):
+        calls.clear()
+        p = P.Pipeline(pipe.out, replace(pipe.p, **kw), log=lambda *x: None)
+        with pytest.raises(OSError):  # no manifest: the collector did not run
+            p.stage_traj("traj1", "base", 16)
+        return "--bf16" in calls[0]
+
+    assert collect(collect_precision="bf16") and not collect(collect_precision="fp32")
+    assert not collect(collect_precision=None, precision="auto") and collect(collect_precision=None, precision="bf16")
+    for native in (True, False):
+        monkeypatch.setattr(prec, "cpu_bf16_supported", lambda: native)
+        assert collect(collect_precision="auto") is native
+    with pytest.raises(ValueError, match="collect_precision must be"):
+        replace(pipe.p, collect_precision="fp16")

@@ -213,7 +213,8 @@ def build_report(pipe) -> dict:
     summary = {"preset": p.name, "rows": rows, "tpf_by_block_size": curves, "eval_prompts": len(prompts),
                "timing_prompts": min(p.timing_prompts, len(prompts)), "timing_rounds": p.timing_rounds,
                "response_tokens": R, "warnings": {m: w for m, w in warnings.items() if w}, "output_stats": stats,
-               "fit_tpf": fit_tpf, "fit_prompts": len(fit), "n": n, "math_quality": math_quality,
+               "fit_tpf": fit_tpf, "fit_prompts": len(fit), "n": n, "headline_n": p.headline_n,
+               "math_quality": math_quality,
                "template_tpf": extras.get("template_tpf"), "template_distinct4": extras.get("template_distinct4"),
                "template_prompts": len(template),
                "noisy_accuracy": extras.get("noisy_accuracy"), "noisy_prompts": p.noisy_prompts if noisy_records else 0,
@@ -497,8 +498,12 @@ def _math_markdown(s) -> list[str]:
     trajectories (what Jacobi Forcing teaches, on data a change of the model's own output cannot simplify)."""
     mq, tt, na = s["math_quality"], s.get("template_tpf") or {}, s.get("noisy_accuracy") or {}
     td = s.get("template_distinct4") or {}
+    from megatron_jf.quickstart.interpret import headline_n, headline_tpf
+
     jac = {r["model"]: r["tpf"] for r in s["rows"] if r["decoder"].startswith("Jacobi")}
     mr = {r["model"]: r["tpf"] for r in s["rows"] if r["decoder"].startswith("MR")}
+    hn = headline_n(s)
+    wide = {m: headline_tpf(s, m) for m in jac} if hn != s["n"] else {}  # the paper's evaluation block size
     keys = next((list(v) for v in na.values()), [])
     ks = [k for k in keys if k.startswith("acc_k")]
     nq = s.get("quality_problems") or s["eval_prompts"]
@@ -511,15 +516,17 @@ def _math_markdown(s) -> list[str]:
            f"greedy answers there); noisy-token accuracy: "
            f"argmax right at distance k after the first wrong draft token, on the base model's Jacobi trajectories of "
            f"{s.get('noisy_prompts', 0)} held-out problems (mean run: right tokens in a row from k=1).", "",
-           "| Model | exact answers | steps right | Jacobi TPF | MR TPF | held-out templates TPF (distinct-4) | "
+           "| Model | exact answers | steps right | Jacobi TPF | " + (f"Jacobi TPF n={hn} | " if wide else "")
+           + "MR TPF | held-out templates TPF (distinct-4) | "
            + " | ".join(k.replace("acc_k", "k=") for k in ks) + " | mean run |",
-           "|---|---|---|---|---|---|" + "---|" * (len(ks) + 1)]
+           "|---|---|---|---|---|---|" + "---|" * (len(ks) + 1 + bool(wide))]
     for m, q in mq.items():
         n = na.get(m) or {}
         out.append(f"| {m} | {q['correct']}/{q['problems']} ({100 * q['accuracy']:.1f}%) | "
                    + (f"{100 * q['step_accuracy']:.1f}% of {q['steps']}" if q["steps"] else "- (no step)")
                    + f" | {jac.get(m, float('nan')):.2f} | "
-                   f"{mr.get(m, float('nan')):.2f} | "
+                   + (f"{wide.get(m, float('nan')):.2f} | " if wide else "")
+                   + f"{mr.get(m, float('nan')):.2f} | "
                    + (f"{tt[m]:.2f}" if m in tt else "-") + (f" ({td[m]:.3f})" if m in td else "") + " | "
                    + " | ".join(f"{n[k]:.3f}" if k in n else "-" for k in ks)
                    + f" | {n.get('mean_run', float('nan')):.2f} |")
