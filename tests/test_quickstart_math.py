@@ -226,7 +226,7 @@ def test_math_pipeline_end_to_end(tmp_path):
     pre = replace(P.PRESETS["default"], hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, max_pos=640, pretrain_steps=20,
                   pretrain_mbs=4, n_pretrain_problems=200, n_train_prompts=16, n_eval_prompts=8,
                   n_eval_template_prompts=4, heldout_templates=5, vocab_size=300, response_tokens=48, collect_batch=8,
-                  collect_procs=1, jf1_steps=6, jf_mbs=2, eval_block_sizes=(8, 16), timing_prompts=1, timing_rounds=1,
+                  collect_procs=1, jf1_steps=6, jf_mbs=2, eval_block_sizes=(16, 32), eval_n=32, timing_prompts=1, timing_rounds=1,
                   fit_prompts=2, noisy_prompts=2, nll_chunks=4, threads=1, precision="fp32", repetition_filter=False,
                   pretrain_second_pass_steps=4, n_quality_problems=12)
     out = tmp_path / "math"
@@ -280,6 +280,12 @@ def test_math_pipeline_end_to_end(tmp_path):
 
     assert report_markdown(rep) == (out / "report" / "report.md").read_text()
     assert "Base quality" in report_markdown(rep)
+    # the headline gain at the preset's evaluation block size (eval_n=32), read from the block-size sweep
+    assert rep["headline_n"] == 32 and set(rep["tpf_by_block_size"]["base"]) == {"16", "32"}
+    curve = rep["tpf_by_block_size"]
+    gain = curve["JF round 1"]["32"] - curve["base"]["32"]
+    assert f"Held-out Jacobi TPF at n=32 (the paper's evaluation block size) {curve['base']['32']:.2f} -> " \
+           f"{curve['JF round 1']['32']:.2f} ({gain:+.2f})" in report_markdown(rep)
 
 
 def test_template_gain_from_repetition_is_not_called_a_gain():

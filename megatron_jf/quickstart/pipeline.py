@@ -865,10 +865,10 @@ def main(argv=None):
               "learning curve 43 min; docs/quickstart_real/). A loaded machine takes proportionally longer.",
               flush=True)
     elif preset.name == "default":
-        print("default preset: model A (GSM-Symbolic word problems) end to end, about 44 minutes on 2 idle cores of an "
-              "AVX-512 AMD EPYC (pretraining 17, trajectories 8, Jacobi Forcing 14, report 5; "
-              "docs/quickstart_default/), about 45 on an Intel Xeon with AMX (pretraining 13, trajectories 12, Jacobi "
-              "Forcing 13, report 6; docs/results.md).",
+        print("default preset: model A (GSM-Symbolic word problems) end to end, about 47 minutes on 2 idle cores of an "
+              "Intel Xeon with AMX (pretraining 13, trajectories 8 in bf16, Jacobi Forcing 16, report 8; "
+              "docs/quickstart_default/); longer on a CPU without native bf16, where training and the trajectory "
+              "collection run in fp32.",
               flush=True)
     changed = {f: getattr(preset, f) for f in knobs if getattr(preset, f) != getattr(named_preset(preset.name), f)}
     if changed:
