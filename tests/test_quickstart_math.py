@@ -284,7 +284,7 @@ def test_math_pipeline_end_to_end(tmp_path):
     assert rep["headline_n"] == 32 and set(rep["tpf_by_block_size"]["base"]) == {"16", "32"}
     curve = rep["tpf_by_block_size"]
     gain = curve["JF round 1"]["32"] - curve["base"]["32"]
-    assert f"Held-out Jacobi TPF at n=32 (the paper's evaluation block size) {curve['base']['32']:.2f} -> " \
+    assert f"Held-out Jacobi TPF at n=32 (the preset's evaluation block size) {curve['base']['32']:.2f} -> " \
            f"{curve['JF round 1']['32']:.2f} ({gain:+.2f})" in report_markdown(rep)
 
 
