@@ -87,10 +87,16 @@ def headline_n(summary: dict) -> int | None:
 
 def headline_tpf(summary: dict, model: str) -> float:
     """``model``'s held-out Jacobi TPF at :func:`headline_n` (from ``tpf_by_block_size``, whose keys are ints in
-    memory and strings once read back from ``report.json``; the Jacobi row's TPF at the decoders' block size)."""
+    memory and strings once read back from ``report.json``; the Jacobi row's TPF at the decoders' block size).
+
+    Raises:
+        KeyError: the report has no Jacobi TPF of ``model`` at that block size."""
     n = headline_n(summary)
     if n is None or n == summary.get("n"):
-        return next(r["tpf"] for r in summary["rows"] if r["model"] == model and r["decoder"].startswith("Jacobi"))
+        tpf = next((r["tpf"] for r in summary["rows"] if r["model"] == model and r["decoder"].startswith("Jacobi")), None)
+        if tpf is None:
+            raise KeyError(f"the report has no Jacobi row of {model!r}")
+        return tpf
     curve = summary["tpf_by_block_size"][model]
     return curve[n] if n in curve else curve[str(n)]
 

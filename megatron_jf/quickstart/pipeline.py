@@ -181,6 +181,8 @@ class Preset:
     eval_n: int = 0
 
     def __post_init__(self):
+        """Check the fields that name a choice. Raises ValueError: ``collect_precision`` is not None / "fp32" /
+        "bf16" / "auto", or a nonzero ``eval_n`` is not one of ``eval_block_sizes``."""
         if self.collect_precision not in (None, "fp32", "bf16", "auto"):
             raise ValueError(f"collect_precision must be None, 'fp32', 'bf16' or 'auto', got {self.collect_precision!r}")
         if self.eval_n and self.eval_n not in self.eval_block_sizes:
