@@ -270,7 +270,8 @@ PRESETS = {
     # Since 2026-12-05 (docs/results.md, "The paper's evaluation block size"): 9,000 trajectories / 2,250 steps,
     # collected in bf16 where the CPU has it (1.75x faster on an Intel Xeon with AMX: the faster training step and
     # collection buy the 29 % more data), AR weights w=4 on the model's own output and 8 on the ground truth at lr
-    # 1.5e-3 (arm "w=4 / gt 8": exact answers -1.5, right steps -0.1, drift +0.031 on the Xeon's base), and the
+    # 1.5e-3 (arm "w=4 / gt 8": exact answers -1.5, right steps -0.1, drift +0.031 on the Xeon's base; not the
+    # paper's 1e-6 for the reason above: a few thousand steps on a 3.5M-parameter model), and the
     # headline held-out Jacobi TPF at the paper's evaluation block size n=128 (+0.54 there, +0.41 at the training n=16).
     "default": Preset("default", corpus="gsm_symbolic", vocab_size=1024, n_pretrain_problems=40000, drill_fraction=0.2,
                       pretrain_steps=1500, pretrain_second_pass_steps=1000, pretrain_seq=256, pretrain_mbs=16,
