@@ -358,3 +358,64 @@ def test_rmsnorm_under_cpu_autocast_runs_compiled_in_fp32(monkeypatch):
     composite = run(lambda x: torch.nn.RMSNorm.forward(layer, x))
     for a, b in zip(fallback, composite):
         assert torch.equal(a, b)
+
+
+def test_mlp_swiglu_under_cpu_autocast_runs_compiled_in_fp32(mp1, monkeypatch):
+    """The local spec's MLP (``megatron_jf.models.mlp``): inside a CPU bf16 autocast region its gated SiLU is the
+    inductor-compiled ``swiglu_fp32`` (one fused pass), so output and every gradient equal ``fc1 -> swiglu_fp32 ->
+    fc2`` in eager mode (within a bf16 step: compiled and eager fp32 round differently) and the compiled function is
+    what ran; outside autocast (fp32) the layer is megatron's own forward bit for bit and nothing compiled runs; where
+    compiling fails, one warning and megatron's composite glu, bit for bit."""
+    from megatron.core.transformer.mlp import MLP as MegatronMLP
+    from train_fixtures import tiny_mcore_model
+
+    from megatron_jf import precision
+    from megatron_jf.models import mlp as jf_mlp
+
+    model, _ = tiny_mcore_model(seed=6, layers=1, vocab=VOCAB)
+    layer = model.decoder.layers[0].mlp
+    assert type(layer) is jf_mlp.MLP
+    g = torch.Generator().manual_seed(8)
+    x0 = torch.randn(7, 3, model.config.hidden_size, generator=g)
+    go = torch.randn(7, 3, model.config.hidden_size, generator=g)
+
+    def run(fn, dtype=torch.bfloat16):
+        x = x0.to(dtype, copy=True).requires_grad_()
+        layer.zero_grad(set_to_none=True)
+        with precision.autocast(dtype if dtype != torch.float32 else None):
+            y, bias = fn(x)
+        assert bias is None
+        y.backward(go.to(y.dtype))
+        return [y, x.grad] + [p.grad.clone() for p in layer.parameters()]
+
+    def eager(x):
+        h, _ = layer.linear_fc1(x)
+        return layer.linear_fc2(jf_mlp.swiglu_fp32(h))
+
+    calls = []
+    compiled = jf_mlp.COMPILED_SWIGLU
+    monkeypatch.setattr(jf_mlp, "COMPILED_SWIGLU", lambda *a: calls.append(1) or compiled(*a))
+    got = run(layer)
+    assert calls and got[0].dtype == torch.bfloat16
+    for a, b in zip(got, run(eager)):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -6, atol=2e-4)
+    composite = run(lambda x: MegatronMLP.forward(layer, x))
+    assert not torch.equal(got[0], composite[0])  # the compiled path rounds once, megatron's glu per operation
+
+    calls.clear()
+    fp32 = run(layer, torch.float32)
+    assert not calls and fp32[0].dtype == torch.float32
+    for a, b in zip(fp32, run(lambda x: MegatronMLP.forward(layer, x), torch.float32)):
+        assert torch.equal(a, b)
+
+    def broken(*_):
+        raise RuntimeError("no C++ compiler")
+
+    failing = type(compiled)(broken, "SwiGLU")
+    failing.compiled = broken  # as if inductor had built it and its kernel then failed to run
+    monkeypatch.setattr(jf_mlp, "COMPILED_SWIGLU", failing)
+    with pytest.warns(UserWarning, match="torch.compile failed"):
+        fallback = run(layer)
+    assert failing.compiled is False and failing(None) is None
+    for a, b in zip(fallback, composite):
+        assert torch.equal(a, b)

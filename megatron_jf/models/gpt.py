@@ -42,9 +42,15 @@ from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 # roadmap, not about this call; README "Tests and CI" notes the port a release without GPTModel will need)
 logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(
     lambda record: not record.getMessage().startswith("GPTModel IS DEPRECATED"))
+# ... and "Unknown MLP type" for the local spec's MLP (megatron_jf/models/mlp.py: a subclass of its MLP, which its
+# TransformerLayer matches by identity to pass tp_group; without it the MLP takes the same TP group from
+# parallel_state, so the "default kwargs" it warns about are the ones it would have passed)
+logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(
+    lambda record: not record.getMessage().startswith("Unknown MLP type"))
 
 from megatron_jf.models.attention import JFCoreAttention  # noqa: E402
 from megatron_jf.models.kv_cache import KVCache  # noqa: E402
+from megatron_jf.models.mlp import use_in_spec as use_jf_mlp  # noqa: E402
 from megatron_jf.models.norm import RMSNorm  # noqa: E402
 
 
@@ -79,8 +85,9 @@ TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 
 
 def layer_spec(args: ModelArgs, transformer_impl: str = "auto"):
-    """The transformer-layer ``ModuleSpec``: megatron's local spec with our :class:`~megatron_jf.models.norm.RMSNorm`,
-    or megatron's Transformer Engine spec (fused norm + projections), with our core attention in either.
+    """The transformer-layer ``ModuleSpec``: megatron's local spec with our :class:`~megatron_jf.models.norm.RMSNorm`
+    and :class:`~megatron_jf.models.mlp.MLP`, or megatron's Transformer Engine spec (fused norm + projections), with
+    our core attention in either.
 
     Args:
         transformer_impl: ``local``, ``transformer_engine`` or ``auto`` (TE when it and CUDA are present), as
@@ -102,6 +109,7 @@ def layer_spec(args: ModelArgs, transformer_impl: str = "auto"):
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
         spec.submodules.input_layernorm = RMSNorm  # not megatron's pick by what is installed (models/norm.py)
         spec.submodules.pre_mlp_layernorm = RMSNorm
+        use_jf_mlp(spec)  # megatron's MLP, its SwiGLU compiled under CPU autocast (models/mlp.py)
     spec.submodules.self_attention.submodules.core_attention = JFCoreAttention
     spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.arbitrary
     return spec
