@@ -282,7 +282,7 @@ PRESETS = {
                       jf_gt_weight=8.0, anchor_weight=0.0,
                       consistency_positions="from_first_diff", resample_noise=False, repetition_filter=True,
                       ar_target="both", group_by_length=True,
-                      eval_block_sizes=(16, 32, 128), eval_n=128, timing_prompts=4, fit_prompts=16, noisy_prompts=100,
+                      eval_block_sizes=(16, 128), eval_n=128, timing_prompts=4, fit_prompts=16, noisy_prompts=100,
                       report_models=("base", "jf1"), precision="auto"),
     # The code domain (`--code`; the default until 2026-12): a 4-layer, 256-hidden model pretrained on the source of
     # nine pinned pure-Python packages (vocab 2,048, 480 steps at 3e-3): its greedy output is not degenerate
