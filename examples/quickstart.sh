@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job: Jacobi Forcing end to end on this CPU (see README "Quickstart").
 #   bash examples/quickstart.sh            # model A: GSM-Symbolic word problems, one JF round on 9,000 of its own
-#                                          # trajectories; about 47 min on 2 idle cores of an Intel Xeon with AMX
+#                                          # trajectories; about 44 min on 2 idle cores of an Intel Xeon with AMX
 #                                          # (docs/quickstart_default, docs/results.md)
 #   bash examples/quickstart.sh --smoke    # tiny sizes, ~8 min on one core (CI checks its figures: tests/fixtures/README.md)
 #   bash examples/quickstart.sh --real     # model B: SmolLM2-135M-Instruct, ~2 h on 2 idle cores (measured 1 h 57 min)

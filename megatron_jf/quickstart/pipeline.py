@@ -868,8 +868,8 @@ def main(argv=None):
               "learning curve 43 min; docs/quickstart_real/). A loaded machine takes proportionally longer.",
               flush=True)
     elif preset.name == "default":
-        print("default preset: model A (GSM-Symbolic word problems) end to end, about 47 minutes on 2 idle cores of an "
-              "Intel Xeon with AMX (pretraining 13, trajectories 8 in bf16, Jacobi Forcing 16, report 8; "
+        print("default preset: model A (GSM-Symbolic word problems) end to end, about 44 minutes on 2 idle cores of an "
+              "Intel Xeon with AMX (pretraining 13, trajectories 8 in bf16, Jacobi Forcing 15, report 8; "
               "docs/quickstart_default/); longer on a CPU without native bf16, where training and the trajectory "
               "collection run in fp32.",
               flush=True)
