@@ -311,6 +311,22 @@ def test_output_layer_backward_is_one_matrix_product(mp1):
         torch.testing.assert_close(g, ref[n], rtol=1e-2, atol=1e-4, msg=n)  # bf16 products, summed in another order
 
 
+def _run_after_compile_failure(monkeypatch, module, attr: str, compiled, run):
+    """Set ``module.attr`` to a ``CompiledOnCPU`` like ``compiled`` whose kernel fails to run (as if inductor had
+    built it), call ``run()`` expecting the one "torch.compile failed" warning, check the wrapper stays off, and return
+    what ``run()`` returned (the caller's uncompiled path)."""
+    def broken(*_):
+        raise RuntimeError("no C++ compiler")
+
+    failing = type(compiled)(broken, compiled.name)
+    failing.compiled = broken
+    monkeypatch.setattr(module, attr, failing)
+    with pytest.warns(UserWarning, match="torch.compile failed"):
+        out = run()
+    assert failing.compiled is False and failing(None) is None
+    return out
+
+
 def test_rmsnorm_under_cpu_autocast_runs_compiled_in_fp32(monkeypatch):
     """Inside a CPU autocast region a bf16 row with the fp32 weight goes through the inductor-compiled
     ``rms_norm_fp32`` (one fused pass instead of the composite path's several; ``megatron_jf.models.norm``): the output
@@ -346,15 +362,7 @@ def test_rmsnorm_under_cpu_autocast_runs_compiled_in_fp32(monkeypatch):
     for a, b in zip(got, want):
         torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-5)
 
-    def broken(*_):
-        raise RuntimeError("no C++ compiler")
-
-    failing = type(compiled)(broken, "RMSNorm")
-    failing.compiled = broken  # as if inductor had built it and its kernel then failed to run
-    monkeypatch.setattr(norm, "COMPILED_RMS_NORM", failing)
-    with pytest.warns(UserWarning, match="torch.compile failed"):
-        fallback = run(layer)
-    assert failing.compiled is False and failing(None) is None
+    fallback = _run_after_compile_failure(monkeypatch, norm, "COMPILED_RMS_NORM", compiled, lambda: run(layer))
     composite = run(lambda x: torch.nn.RMSNorm.forward(layer, x))
     for a, b in zip(fallback, composite):
         assert torch.equal(a, b)
@@ -408,14 +416,6 @@ def test_mlp_swiglu_under_cpu_autocast_runs_compiled_in_fp32(mp1, monkeypatch):
     for a, b in zip(fp32, run(lambda x: MegatronMLP.forward(layer, x), torch.float32)):
         assert torch.equal(a, b)
 
-    def broken(*_):
-        raise RuntimeError("no C++ compiler")
-
-    failing = type(compiled)(broken, "SwiGLU")
-    failing.compiled = broken  # as if inductor had built it and its kernel then failed to run
-    monkeypatch.setattr(jf_mlp, "COMPILED_SWIGLU", failing)
-    with pytest.warns(UserWarning, match="torch.compile failed"):
-        fallback = run(layer)
-    assert failing.compiled is False and failing(None) is None
+    fallback = _run_after_compile_failure(monkeypatch, jf_mlp, "COMPILED_SWIGLU", compiled, lambda: run(layer))
     for a, b in zip(fallback, composite):
         assert torch.equal(a, b)
