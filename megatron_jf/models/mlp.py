@@ -80,7 +80,8 @@ def use_in_spec(layer_spec) -> None:
     """
     mlp = layer_spec.submodules.mlp
     if isinstance(mlp, functools.partial):
-        if getattr(mlp.func, "__func__", None) is not getattr(MegatronMLP, "as_mlp_submodule", None).__func__:
+        builder = getattr(MegatronMLP, "as_mlp_submodule", None)
+        if builder is None or getattr(mlp.func, "__func__", None) is not builder.__func__:
             raise TypeError(f"unexpected MLP builder in megatron's local spec: {mlp!r}")
         layer_spec.submodules.mlp = functools.partial(MLP.as_mlp_submodule, *mlp.args, **mlp.keywords)
     elif getattr(mlp, "module", None) is MegatronMLP:
