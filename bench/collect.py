@@ -117,7 +117,7 @@ def _prepare_smollm2(a) -> tuple[str, str, str]:
 
     from megatron_jf.eval.benchmarks import load_benchmark
     from megatron_jf.eval.prompts import build_messages
-    from megatron_jf.quickstart.smollm import export_smollm2_checkpoint
+    from megatron_jf.models.smollm2 import export_smollm2_checkpoint
     from megatron_jf.tokenizer import load_tokenizer
 
     os.makedirs(a.work, exist_ok=True)
@@ -277,7 +277,7 @@ def _model(hidden, layers, vocab, seed):
     from megatron_jf.models.convert import hf_to_mcore
     from megatron_jf.models.gpt import build_model
     from megatron_jf.models.hf_config import ModelArgs
-    from megatron_jf.testing import tiny_hf_model
+    from megatron_jf.models.zoo import tiny_hf_model
 
     hf = tiny_hf_model("qwen2", seed=seed, vocab=vocab, hidden=hidden, layers=layers, heads=4, kv_heads=2,
                        ffn=hidden * 3, max_pos=4096)

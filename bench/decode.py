@@ -69,7 +69,7 @@ def cpu_flags() -> str:
 
 
 def _builtin_model(hidden, layers, vocab, ffn=None, dtype=None):
-    from megatron_jf.testing import mcore_twin, peaked_hf_model
+    from megatron_jf.models.zoo import mcore_twin, peaked_hf_model
 
     hf = peaked_hf_model("qwen2", period=4, seed=0, vocab=vocab, hidden=hidden, layers=layers, heads=8, kv_heads=2,
                          ffn=ffn or hidden * 3, max_pos=2048)
@@ -81,7 +81,7 @@ def _hf_model(path: str, dtype):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megatron_jf.testing import mcore_twin
+    from megatron_jf.models.zoo import mcore_twin
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     m = mcore_twin(hf)
@@ -293,7 +293,7 @@ def main(argv=None):
     parallel.set_seed(0)
     model_dir = a.load or a.hf
     if a.smollm2:
-        from megatron_jf.quickstart.smollm import export_smollm2_checkpoint
+        from megatron_jf.models.smollm2 import export_smollm2_checkpoint
 
         model_dir = a.hf = str(export_smollm2_checkpoint(os.path.join(os.path.dirname(os.path.dirname(
             os.path.abspath(__file__))), "runs", "smollm2_hf")))

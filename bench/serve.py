@@ -2,7 +2,7 @@
 """Bounded serving load test on loopback: same-config vs mixed-config traffic, 1 / 8 / 32 clients.
 
 Starts ``tools/run_text_generation_server.py`` as a subprocess on 127.0.0.1 (a free port) for a
-checkpoint (default: the tiny test checkpoint of :mod:`megatron_jf.server.tiny`, built once under
+checkpoint (default: the tiny test checkpoint of :mod:`megatron_jf.models.zoo`, built once under
 ``--work``). For each *mix* and each client count, every client sends ``--requests-per-client`` greedy
 ``/v1/completions`` requests (closed loop: each waits for its answer before the next). Mixes:
 
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     ckpt = args.ckpt
     if ckpt is None:
         sys.path.insert(0, REPO)
-        from megatron_jf.server.tiny import build_tiny_checkpoint
+        from megatron_jf.models.zoo import build_tiny_checkpoint
 
         ckpt = build_tiny_checkpoint(args.work)
     port = _free_port()

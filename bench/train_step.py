@@ -122,7 +122,7 @@ def main(argv=None):
     from megatron_jf.data.packing import pack_record
     from megatron_jf.models.gpt import build_model
     from megatron_jf.models.hf_config import ModelArgs
-    from megatron_jf.testing import tiny_hf_config
+    from megatron_jf.models.zoo import tiny_hf_config
     from megatron_jf.training.attention_paths import build_jf_batch, jf_forward
     from megatron_jf.training.losses import DEFAULT_LOSS_CHUNK, LossConfig, ar_loss, jf_loss, loss_temporary_bytes
     from megatron_jf.training.memstats import peak_bytes

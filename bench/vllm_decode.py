@@ -61,7 +61,7 @@ VLLM_SYSTEMS = ("ar", "ngram", "mr", "jacobi")
 def _prepare(args) -> None:
     """(project env) Export the models and write the prompts: ``{model: {"hf": dir, "prompts": [[ids]...]}}``."""
     sys.path.insert(0, REPO)
-    from megatron_jf.quickstart.smollm import export_smollm2_checkpoint
+    from megatron_jf.models.smollm2 import export_smollm2_checkpoint
 
     root = os.path.join(REPO, "runs", "vllm_bench")
     os.makedirs(root, exist_ok=True)
@@ -129,7 +129,7 @@ def _run_ours(args) -> None:
     from megatron_jf.eval.speed import warm_up
     from megatron_jf.hf_io import tokenizer_eos_ids
     from megatron_jf.inference.engine import Engine
-    from megatron_jf.testing import mcore_twin
+    from megatron_jf.models.zoo import mcore_twin
 
     parallel.initialize(1, 1)
     parallel.set_seed(0)

@@ -78,7 +78,7 @@ def parse_args(argv=None):
 def build_model(work: str) -> str:
     """The tiny model (vocabulary 256, EOS 255, head size 32 as vLLM's CPU attention needs) with a word-level
     tokenizer, saved once under ``work``."""
-    from megatron_jf.testing import peaked_hf_model, save_with_tokenizer
+    from megatron_jf.models.zoo import peaked_hf_model, save_with_tokenizer
 
     path = os.path.join(work, "cycle4")
     if not os.path.isfile(os.path.join(path, "config.json")):

@@ -16,7 +16,7 @@ the command line, or let a parent process pass them to its children (the quickst
 
 Usage::
 
-    ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 python -m megatron_jf.quickstart.pipeline --smoke
+    ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 python -m recipes.quickstart --smoke
 """
 
 from __future__ import annotations

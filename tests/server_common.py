@@ -52,7 +52,7 @@ def serve(root: str, *, sched_kw=None, app_kw=None, default=None, engine=None) -
     from megatron_jf.server.app import create_app
     from megatron_jf.server.metrics import Metrics
     from megatron_jf.server.scheduler import Scheduler
-    from megatron_jf.server.tiny import build_tiny_checkpoint
+    from megatron_jf.models.zoo import build_tiny_checkpoint
     from megatron_jf.tokenizer import load_tokenizer, stop_token_ids
 
     ckpt = build_tiny_checkpoint(root, max_pos=MAX_CTX, in_process=True)

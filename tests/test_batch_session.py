@@ -17,7 +17,7 @@ def engines(mp1):
     from megatron_jf.models.convert import hf_to_mcore
     from megatron_jf.models.gpt import build_model
     from megatron_jf.models.hf_config import ModelArgs
-    from megatron_jf.testing import peaked_hf_model, tiny_hf_model
+    from megatron_jf.models.zoo import peaked_hf_model, tiny_hf_model
 
     out = {}
     for name, hf in {"random": tiny_hf_model("qwen2", scale=0.3, seed=1),

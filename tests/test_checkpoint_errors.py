@@ -2,7 +2,7 @@
 name the file"): a truncated ``.distcp``, a missing ``common.pt`` or ``metadata.json``, a pointer file naming a
 missing iteration, and foreign files (garbage where torch DCP's index or ``common.pt`` belongs).
 
-The checkpoint is the real tiny one of :mod:`megatron_jf.server.tiny`, copied and damaged per case.
+The checkpoint is the real tiny one of :mod:`megatron_jf.models.zoo`, copied and damaged per case.
 """
 import os
 import shutil
@@ -60,7 +60,7 @@ REQUIRED = ("truncated_distcp", "missing_common_pt", "missing_metadata_json", "p
 
 @pytest.fixture(scope="module")
 def good_ckpt(tmp_path_factory, mp1):
-    from megatron_jf.server.tiny import build_tiny_checkpoint
+    from megatron_jf.models.zoo import build_tiny_checkpoint
 
     return build_tiny_checkpoint(str(tmp_path_factory.mktemp("ckerr")), max_pos=128, in_process=True)
 

@@ -14,7 +14,7 @@ from tests.conftest import REPO
 
 def _tiny(**kw):
     from megatron_jf.models.hf_config import ModelArgs
-    from megatron_jf.testing import tiny_hf_model
+    from megatron_jf.models.zoo import tiny_hf_model
 
     hf = tiny_hf_model("qwen2", seed=5, **kw)
     return hf, ModelArgs.from_hf_dict(hf.config.to_dict())
@@ -156,7 +156,7 @@ def test_megatron_lm_stop_tokens_come_from_its_tokenizer_model(tmp_path, mp1):
     from megatron_jf import checkpointing as C
     from transformers import AutoTokenizer
 
-    from megatron_jf.quickstart.tokenizer_train import train_bpe_tokenizer
+    from megatron_jf.data.tokenizer_train import train_bpe_tokenizer
 
     tok = train_bpe_tokenizer(tmp_path / "tok", texts=["def f(x):\n    return x + 1\n"] * 20, vocab_size=300,
                               overwrite=True)
@@ -239,7 +239,7 @@ def test_checkpoints_load_with_and_without_te_extra_state(tmp_path, mp1, directi
     model whose sharded state dict has that key (before: ``Missing key in checkpoint state_dict``), and a checkpoint
     that has it loads into a model without it; the weights arrive exactly, strict loading included."""
     from megatron_jf import checkpointing as C
-    from megatron_jf.testing import tiny_hf_model
+    from megatron_jf.models.zoo import tiny_hf_model
 
     hf, args = _tiny()
     other = tiny_hf_model("qwen2", seed=6)

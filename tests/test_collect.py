@@ -68,8 +68,8 @@ def _read_dir(out):
 def ckpt(tmp_path_factory):
     """A tiny random Qwen2 (vocab 320) with a byte-level BPE tokenizer (eos <|endoftext|>=0, <|im_end|>=2),
     converted with tools/convert_hf.py."""
-    from megatron_jf.quickstart.tokenizer_train import train_bpe_tokenizer
-    from megatron_jf.testing import save_tiny_hf
+    from megatron_jf.data.tokenizer_train import train_bpe_tokenizer
+    from megatron_jf.models.zoo import save_tiny_hf
 
     d = tmp_path_factory.mktemp("collect")
     hf = save_tiny_hf(str(d / "hf"), vocab=VOCAB, seed=3)
@@ -90,7 +90,7 @@ def ckpt(tmp_path_factory):
 def test_first_draft_is_the_initialisation_and_a_copy(mp1):
     from megatron_jf.data.collect import build_record
     from megatron_jf.inference.engine import DecodeConfig, Engine
-    from megatron_jf.testing import tiny_hf_model
+    from megatron_jf.models.zoo import tiny_hf_model
 
     eng = Engine(_mcore(tiny_hf_model(seed=5)))
     prompts = _prompts(3, seed=1)
@@ -136,7 +136,7 @@ def test_first_draft_is_the_initialisation_and_a_copy(mp1):
 def test_fixed_points_are_greedy_ar_of_their_context(mp1):
     from megatron_jf.data.collect import build_record
     from megatron_jf.inference.engine import DecodeConfig, Engine
-    from megatron_jf.testing import tiny_hf_model
+    from megatron_jf.models.zoo import tiny_hf_model
 
     eng = Engine(_mcore(tiny_hf_model(seed=6)))
     prompts = _prompts(4, seed=2)
@@ -162,7 +162,7 @@ def test_eos_and_length_cut_the_last_block(mp1):
     block (the final forward's bonus token) still ends up in the record."""
     from megatron_jf.data.collect import build_record
     from megatron_jf.inference.engine import DecodeConfig, Engine
-    from megatron_jf.testing import peaked_hf_model
+    from megatron_jf.models.zoo import peaked_hf_model
 
     eng = Engine(_mcore(peaked_hf_model(period=4, seed=1)))  # next token: 248->249->250->251->248 ...
     r = eng.generate([[9, 30, 249]], DecodeConfig("jacobi", block_size=4, draft_init="repeat"), max_new_tokens=20,
@@ -187,7 +187,7 @@ def test_eos_and_length_cut_the_last_block(mp1):
 def test_peaked_model_converges_in_few_iterations(mp1):
     from megatron_jf.data.collect import build_record
     from megatron_jf.inference.engine import DecodeConfig, Engine
-    from megatron_jf.testing import peaked_hf_model, tiny_hf_model
+    from megatron_jf.models.zoo import peaked_hf_model, tiny_hf_model
 
     prompts = _prompts(3, seed=4)
     mean_states = []

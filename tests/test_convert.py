@@ -25,7 +25,7 @@ def test_round_trip_bit_exact(tmp_path, family, tied, tp):
     from transformers import AutoModelForCausalLM
 
     from megatron_jf.hf_io import load_hf_state_dict
-    from megatron_jf.testing import save_tiny_hf
+    from megatron_jf.models.zoo import save_tiny_hf
 
     src = save_tiny_hf(str(tmp_path / "hf"), family, tied=tied, seed=7)
     # a generation config with a second stop token: the union must survive the round trip
@@ -51,7 +51,7 @@ def test_negative_control_swapped_gate_up_breaks_parity(mp1):
     from megatron_jf.inference.forward import forward_logits
     from megatron_jf.models.gpt import build_model
     from megatron_jf.models.hf_config import ModelArgs
-    from megatron_jf.testing import tiny_hf_model
+    from megatron_jf.models.zoo import tiny_hf_model
 
     hf = tiny_hf_model("qwen2")
     args = ModelArgs.from_hf_dict(hf.config.to_dict())
@@ -73,7 +73,7 @@ def test_negative_control_swapped_gate_up_breaks_parity(mp1):
 
 
 def test_bad_inputs_are_named(tmp_path):
-    from megatron_jf.testing import save_tiny_hf
+    from megatron_jf.models.zoo import save_tiny_hf
 
     p = _run("hf-to-mcore", "--hf", str(tmp_path / "nope"), "--out", str(tmp_path / "o"), ok=False)
     assert p.returncode != 0 and "not found" in p.stderr and "nope" in p.stderr
@@ -97,7 +97,7 @@ def test_bad_inputs_are_named(tmp_path):
 def test_shape_mismatch_is_named():
     from megatron_jf.models.convert import hf_to_mcore
     from megatron_jf.models.hf_config import ModelArgs
-    from megatron_jf.testing import tiny_hf_model
+    from megatron_jf.models.zoo import tiny_hf_model
 
     hf = tiny_hf_model("llama")
     args = ModelArgs.from_hf_dict(hf.config.to_dict())
@@ -113,7 +113,7 @@ def test_shape_mismatch_is_named():
 
 def test_rope_base_read_from_both_config_layouts():
     from megatron_jf.models.hf_config import ModelArgs
-    from megatron_jf.testing import tiny_hf_config
+    from megatron_jf.models.zoo import tiny_hf_config
 
     cfg = tiny_hf_config("qwen2", rope_theta=1e6).to_dict()
     assert ModelArgs.from_hf_dict(cfg).rope_theta == 1e6
@@ -147,7 +147,7 @@ def _fixture_args():
     """The architecture the fixture was generated for: 2 layers, h=64, ffn=96, 4 heads / 2 groups, qkv bias,
     untied, vocab 256."""
     from megatron_jf.models.hf_config import ModelArgs
-    from megatron_jf.testing import tiny_hf_model
+    from megatron_jf.models.zoo import tiny_hf_model
 
     hf = tiny_hf_model("qwen2", seed=3)
     return hf, ModelArgs.from_hf_dict(hf.config.to_dict())

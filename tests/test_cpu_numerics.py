@@ -1,10 +1,10 @@
 """CPU numerics records and the choice of golden figures: under the same AVX2 pin an Intel and an AMD CPU still
 round differently (the smoke quickstart's figures parted after the first JF round), so golden figures are kept per
-CPU vendor and a run is compared with its own vendor's (megatron_jf/cpu_numerics.py, megatron_jf/quickstart/golden.py)."""
+CPU vendor and a run is compared with its own vendor's (megatron_jf/cpu_numerics.py, tests/quickstart_golden.py)."""
 import json
 
 from megatron_jf.cpu_numerics import ISA_PIN, cpu_numerics, cpu_vendor, numerics_mismatch
-from megatron_jf.quickstart.golden import fixture_for
+from tests.quickstart_golden import fixture_for
 
 
 def _rec(vendor, capability="AVX2"):

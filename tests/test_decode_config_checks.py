@@ -11,7 +11,7 @@ def test_mr_that_never_spawns_warns_and_runs_as_k1(mp1):
     from megatron_jf.models.convert import hf_to_mcore
     from megatron_jf.models.gpt import build_model
     from megatron_jf.models.hf_config import ModelArgs
-    from megatron_jf.testing import peaked_hf_model
+    from megatron_jf.models.zoo import peaked_hf_model
 
     with pytest.warns(UserWarning, match="never spawns a second block"):
         never = DecodeConfig("mr", block_size=8, num_blocks=2, spawn_threshold=1.0, verification_size=2, **PAPER)

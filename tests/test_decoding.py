@@ -29,7 +29,7 @@ def _engine(hf, forward_cost=None):
 
 @pytest.fixture(scope="module")
 def models(mp1):
-    from megatron_jf.testing import peaked_hf_model, tiny_hf_model
+    from megatron_jf.models.zoo import peaked_hf_model, tiny_hf_model
 
     out = {}
     for name, hf in {"qwen2-random": tiny_hf_model("qwen2", scale=0.3, seed=1),
@@ -348,7 +348,7 @@ def test_sampled_decoders_follow_ar_distribution(mp1):
     from megatron_jf.inference.sampling import SamplingParams, processed_probs
     from megatron_jf.inference.forward import forward_logits
 
-    hf_small = __import__("megatron_jf.testing", fromlist=["x"]).tiny_hf_model("qwen2", vocab=6, scale=0.5, seed=9)
+    hf_small = __import__("megatron_jf.models.zoo", fromlist=["x"]).tiny_hf_model("qwen2", vocab=6, scale=0.5, seed=9)
     eng = _engine(hf_small)
     eng.check_invariants = False
     params = SamplingParams(temperature=1.0, top_k=5, top_p=0.95, seed=11)

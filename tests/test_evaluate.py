@@ -1,7 +1,7 @@
 """tools/evaluate.py, tools/search_inference_config.py, tools/visualize_trajectory.py end to end on a real tiny
 converted checkpoint (paper Tables 1-3, Appendix E, Figure 4).
 
-The model is :func:`megatron_jf.testing.peaked_hf_model` with ``period=1`` (greedy = repeat the current token) and a
+The model is :func:`megatron_jf.models.zoo.peaked_hf_model` with ``period=1`` (greedy = repeat the current token) and a
 tiny BPE tokenizer with a ChatML template, converted to a megatron checkpoint that carries the tokenizer. With
 ``draft_init="repeat"`` the Jacobi draft is the fixed point, so Jacobi's TPF is well above 1 while its output must
 still equal AR's.
@@ -33,8 +33,8 @@ def ckpt(mp1, tmp_path_factory):
     from megatron_jf.models.convert import hf_to_mcore
     from megatron_jf.models.gpt import build_model
     from megatron_jf.models.hf_config import ModelArgs
-    from megatron_jf.quickstart.tokenizer_train import train_bpe_tokenizer
-    from megatron_jf.testing import peaked_hf_model
+    from megatron_jf.data.tokenizer_train import train_bpe_tokenizer
+    from megatron_jf.models.zoo import peaked_hf_model
     from megatron_jf.tokenizer import load_tokenizer
 
     root = tmp_path_factory.mktemp("evalckpt")

@@ -13,7 +13,7 @@ def test_hf_twin_has_the_same_weights(mp1):
     from megatron_jf.models.convert import hf_to_mcore
     from megatron_jf.models.gpt import build_model
     from megatron_jf.models.hf_config import ModelArgs
-    from megatron_jf.testing import tiny_hf_model
+    from megatron_jf.models.zoo import tiny_hf_model
 
     for tied in (False, True):
         ref = tiny_hf_model("llama", seed=7, scale=0.3, tied=tied)

@@ -27,7 +27,7 @@ def _run(*args, ok=True):
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """A tiny Qwen2 with a full generation config -> megatron (new flag spellings) -> HF in 100 KB shards."""
-    from megatron_jf.testing import save_tiny_hf
+    from megatron_jf.models.zoo import save_tiny_hf
 
     root = tmp_path_factory.mktemp("export")
     src = save_tiny_hf(str(root / "src"), "qwen2", seed=9)
@@ -113,7 +113,7 @@ def test_shard_size_parsing_matches_huggingface(tmp_path):
 def test_generation_config_without_source():
     from megatron_jf.hf_io import generation_config
     from megatron_jf.models.hf_config import ModelArgs
-    from megatron_jf.testing import tiny_hf_config
+    from megatron_jf.models.zoo import tiny_hf_config
 
     args = ModelArgs.from_hf_dict(tiny_hf_config("llama").to_dict())
     args.eos_token_ids = [7, 9]
@@ -128,7 +128,7 @@ def test_bf16_source_round_trips_in_its_own_dtype(tmp_path):
     from megatron_jf import checkpointing as C
     from megatron_jf import parallel
     from megatron_jf.hf_io import load_hf_state_dict
-    from megatron_jf.testing import tiny_hf_model
+    from megatron_jf.models.zoo import tiny_hf_model
 
     src = str(tmp_path / "src")
     tiny_hf_model("llama", seed=4).to(torch.bfloat16).save_pretrained(src)

@@ -7,7 +7,7 @@ def _pair(family, tied, seed=0, **kw):
     from megatron_jf.models.convert import hf_to_mcore
     from megatron_jf.models.gpt import build_model
     from megatron_jf.models.hf_config import ModelArgs
-    from megatron_jf.testing import tiny_hf_model
+    from megatron_jf.models.zoo import tiny_hf_model
 
     hf = tiny_hf_model(family, tied=tied, seed=seed, scale=0.2, **kw)
     args = ModelArgs.from_hf_dict(hf.config.to_dict())
@@ -163,7 +163,7 @@ def test_transposed_gemv_copies_follow_weight_updates(mp1):
     from megatron_jf.inference.forward import forward_logits
     from megatron_jf.models.gpt import new_kv_cache
     from megatron_jf.models.hf_config import ModelArgs
-    from megatron_jf.testing import tiny_hf_model
+    from megatron_jf.models.zoo import tiny_hf_model
 
     hf_a, m = _pair("qwen2", False, seed=5)
     toks = torch.tensor([[3, 1, 4, 1, 5]])
@@ -209,7 +209,7 @@ def test_inference_models_use_the_spec_the_lean_forward_runs_on(mp1, monkeypatch
     from megatron_jf.inference.options import inference_transformer_impl
     from megatron_jf.models.gpt import layer_spec
     from megatron_jf.models.hf_config import ModelArgs
-    from megatron_jf.testing import tiny_hf_model
+    from megatron_jf.models.zoo import tiny_hf_model
 
     args = ModelArgs.from_hf_dict(tiny_hf_model("qwen2", seed=0).config.to_dict())
     monkeypatch.delenv("MEGATRON_JF_LEAN_FORWARD", raising=False)
@@ -240,7 +240,7 @@ def test_local_spec_norms_do_not_follow_what_megatron_finds_installed(mp1, monke
     from megatron_jf.models.gpt import build_model, layer_spec
     from megatron_jf.models.gpt import transformer_config
     from megatron_jf.models.hf_config import ModelArgs
-    from megatron_jf.testing import tiny_hf_model
+    from megatron_jf.models.zoo import tiny_hf_model
 
     class InstalledNorm:  # stands for megatron's pick by installation; building it is the bug
         def __new__(cls, *a, **k):

@@ -13,7 +13,7 @@ from megatron_jf.decoding import DecodeConfig
 
 @pytest.fixture(scope="module")
 def tiny(mp1, tmp_path_factory):
-    from megatron_jf.server.tiny import build_tiny_checkpoint
+    from megatron_jf.models.zoo import build_tiny_checkpoint
 
     root = str(tmp_path_factory.mktemp("llm"))
     return root, build_tiny_checkpoint(root, seed=3, in_process=True)

@@ -251,7 +251,7 @@ def test_trainer_evaluate_equals_full_row_reference(tmp_path, mp1):
 
     import pretrain_jf
     from megatron_jf.models.gpt import unwrap
-    from megatron_jf.testing import save_tiny_hf
+    from megatron_jf.models.zoo import save_tiny_hf
     from megatron_jf.training.attention_paths import jf_forward
     from megatron_jf.training.config import TrainConfig
     from megatron_jf.training.losses import jf_loss

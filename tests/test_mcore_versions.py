@@ -17,7 +17,7 @@ def test_lean_forward_supports_the_local_spec_model(mp1):
     from megatron_jf.inference.lean_forward import supports
     from megatron_jf.models.gpt import build_model, unwrap
     from megatron_jf.models.hf_config import ModelArgs
-    from megatron_jf.testing import tiny_hf_config
+    from megatron_jf.models.zoo import tiny_hf_config
 
     m = unwrap(build_model(ModelArgs.from_hf_dict(tiny_hf_config().to_dict())))
     assert m.decoder.layers[0].self_attention.q_layernorm is None or \

@@ -9,7 +9,7 @@ def _pair(family, tied, layers=2, seed=0):
     from megatron_jf.models.convert import hf_to_mcore
     from megatron_jf.models.gpt import build_model
     from megatron_jf.models.hf_config import ModelArgs
-    from megatron_jf.testing import tiny_hf_model
+    from megatron_jf.models.zoo import tiny_hf_model
 
     hf = tiny_hf_model(family, tied=tied, layers=layers, seed=seed)
     args = ModelArgs.from_hf_dict(hf.config.to_dict())

@@ -12,7 +12,7 @@ def model(mp1):
     from megatron_jf.models.convert import hf_to_mcore
     from megatron_jf.models.gpt import build_model
     from megatron_jf.models.hf_config import ModelArgs
-    from megatron_jf.testing import tiny_hf_model
+    from megatron_jf.models.zoo import tiny_hf_model
 
     hf = tiny_hf_model("qwen2", seed=11, scale=0.2)
     args = ModelArgs.from_hf_dict(hf.config.to_dict())

@@ -37,7 +37,7 @@ def test_noisy_accuracy_equals_the_engines_jacobi_updates(mp1):
     from megatron_jf.data.collect import build_record
     from megatron_jf.eval.noisy_accuracy import noisy_accuracy
     from megatron_jf.inference.engine import DecodeConfig, Engine
-    from megatron_jf.testing import tiny_hf_model
+    from megatron_jf.models.zoo import tiny_hf_model
 
     model = _mcore(tiny_hf_model(seed=7))
     prompts = _prompts(6, seed=4)

@@ -116,7 +116,7 @@ def test_gpu_trainer_optimizer_groups(tmp_path):
     from train_fixtures import make_record, write_shards
 
     import pretrain_jf
-    from megatron_jf.testing import save_tiny_hf
+    from megatron_jf.models.zoo import save_tiny_hf
     from megatron_jf.training.optim import effective_weight_decay
     from megatron_jf.training.trainer import Trainer
 

@@ -365,7 +365,7 @@ def test_te_packed_attention_equals_sdpa(mp1):
     from megatron_jf.models.attention import JFCoreAttention, packed_causal_sdpa
     from megatron_jf.models.gpt import build_model
     from megatron_jf.models.hf_config import ModelArgs
-    from megatron_jf.testing import tiny_hf_config
+    from megatron_jf.models.zoo import tiny_hf_config
 
     args = ModelArgs.from_hf_dict(tiny_hf_config("qwen2").to_dict())
     model = build_model(args, params_dtype=torch.bfloat16)
@@ -398,7 +398,7 @@ def test_trainer_packed_path_matches_two_stream(mp1, tmp_path):
     from functools import partial
 
     import pretrain_jf
-    from megatron_jf.testing import save_tiny_hf
+    from megatron_jf.models.zoo import save_tiny_hf
     from megatron_jf.training.trainer import Trainer, TrainConfig
     from train_fixtures import hf_weights_provider, write_shards
 
@@ -438,7 +438,7 @@ def test_packed_path_parallel_layouts_match_single_process_two_stream(mp1, tmp_p
     import numpy as np
 
     import pretrain_jf
-    from megatron_jf.testing import save_tiny_hf
+    from megatron_jf.models.zoo import save_tiny_hf
     from megatron_jf.training.trainer import Trainer
     from train_fixtures import hf_weights_provider, parallel_config, write_shards
 
@@ -469,7 +469,7 @@ def test_te_switches_come_from_one_place(mp1, monkeypatch):
     from megatron_jf.models.attention import JFCoreAttention
     from megatron_jf.models.gpt import build_model
     from megatron_jf.models.hf_config import ModelArgs
-    from megatron_jf.testing import tiny_hf_config
+    from megatron_jf.models.zoo import tiny_hf_config
 
     assert platform.TESwitches.from_env({}) == platform.TESwitches(False, False)
     assert platform.TESwitches.from_env({"MEGATRON_JF_DISABLE_TE": "1", "MEGATRON_JF_TE_ARBITRARY_MASK": "0"}) == \

@@ -22,7 +22,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory, mp1):
-    from megatron_jf.testing import save_tiny_hf
+    from megatron_jf.models.zoo import save_tiny_hf
 
     d = str(tmp_path_factory.mktemp("jfprec"))
     save_tiny_hf(os.path.join(d, "hf"), "qwen2", seed=3, vocab=VOCAB, layers=4, tied=True, max_pos=128)
@@ -175,7 +175,7 @@ def test_decoders_lossless_against_ar_in_bf16(mp1, family, peaked, weights):
     from megatron_jf.models.gpt import build_model
     from megatron_jf.models.hf_config import ModelArgs
     from megatron_jf.precision import autocast
-    from megatron_jf.testing import peaked_hf_model, tiny_hf_model
+    from megatron_jf.models.zoo import peaked_hf_model, tiny_hf_model
 
     hf = peaked_hf_model(family, period=4, seed=4) if peaked else tiny_hf_model(family, scale=0.3, seed=1)
     args = ModelArgs.from_hf_dict(hf.config.to_dict())

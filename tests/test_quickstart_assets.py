@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_jf.quickstart.corpus import (
+from megatron_jf.data.sources.corpus import (
     DEFAULT_EXCLUDE_DIRS,
     extract_code_prompts,
     iter_documents,
@@ -122,7 +122,7 @@ def test_prompt_sets_disjoint_and_deterministic(files):
 
 
 def test_prompts_by_tokens(files):
-    from megatron_jf.quickstart.tokenizer_train import train_bpe_tokenizer
+    from megatron_jf.data.tokenizer_train import train_bpe_tokenizer
     from megatron_jf.tokenizer import load_tokenizer
 
     _, held = split_files(files)
@@ -147,7 +147,7 @@ def test_prompts_by_tokens(files):
 
 
 def test_find_smollm2_gguf_without_import():
-    from megatron_jf.quickstart.smollm import SMOLLM2_GGUF_FILENAME, find_smollm2_gguf
+    from megatron_jf.models.smollm2 import SMOLLM2_GGUF_FILENAME, find_smollm2_gguf
 
     p = find_smollm2_gguf()
     assert p.name == SMOLLM2_GGUF_FILENAME and p.stat().st_size > 90_000_000
@@ -157,7 +157,7 @@ def test_find_smollm2_gguf_without_import():
 
 
 def test_smollm2_missing_errors(tmp_path, monkeypatch):
-    from megatron_jf.quickstart import smollm
+    from megatron_jf.models import smollm2 as smollm
 
     missing = tmp_path / "none.gguf"
     with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
@@ -176,7 +176,7 @@ def test_smollm2_export_reloads_with_same_logits(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megatron_jf.quickstart.smollm import export_smollm2_checkpoint, is_complete_checkpoint, load_smollm2_gguf
+    from megatron_jf.models.smollm2 import export_smollm2_checkpoint, is_complete_checkpoint, load_smollm2_gguf
     from megatron_jf.tokenizer import load_tokenizer
 
     out = tmp_path / "smollm2"
@@ -206,17 +206,17 @@ def test_smollm2_export_reloads_with_same_logits(tmp_path):
 
 
 def test_quickstart_cli_rejects_unknown_stage_and_unsafe_fresh(tmp_path):
-    from megatron_jf.quickstart import pipeline
+    from recipes.quickstart import cli as QC, pipeline, presets as PS
 
-    stages = [name for name, _ in pipeline.Pipeline(tmp_path / "w", pipeline.PRESETS["smoke"]).stages()]
-    assert tuple(stages) == pipeline.STAGES
+    stages = [name for name, _ in pipeline.Pipeline(tmp_path / "w", PS.PRESETS["smoke"]).stages()]
+    assert tuple(stages) == PS.STAGES
     with pytest.raises(SystemExit):  # argparse: invalid choice (a typo must not run all stages)
-        pipeline.main(["--smoke", "--until", "trajl", "--out", str(tmp_path / "w")])
+        QC.main(["--smoke", "--until", "trajl", "--out", str(tmp_path / "w")])
     keep = tmp_path / "mine"
     keep.mkdir()
     (keep / "notes.txt").write_text("x")
     with pytest.raises(SystemExit, match="refuses to delete"):
-        pipeline.main(["--smoke", "--fresh", "--out", str(keep)])
+        QC.main(["--smoke", "--fresh", "--out", str(keep)])
     assert (keep / "notes.txt").read_text() == "x"
 
 
@@ -224,7 +224,7 @@ def test_quickstart_cli_rejects_unknown_stage_and_unsafe_fresh(tmp_path):
 def test_report_humaneval_pass1_scores_real_completions():
     """The --real report's pass@1: canonical HumanEval solutions pass, a wrong body fails (sandboxed execution)."""
     from megatron_jf.eval.benchmarks import load_benchmark
-    from megatron_jf.quickstart.report import _humaneval_pass1
+    from megatron_jf.eval.quality import humaneval_pass1
 
     probs = load_benchmark("humaneval", limit=2)
     texts = {}
@@ -237,5 +237,5 @@ def test_report_humaneval_pass1_scores_real_completions():
         texts[f"good{i}"] = "```python\n" + p.prompt + p.reference + "```"
         texts[f"bad{i}"] = "```python\n" + p.prompt + "    return None\n```"
     rows = [{"task_id": p.task_id} for p in probs]
-    out = _humaneval_pass1(rows, {"base": [["good0"], ["good1"]], "JF round 2": [["good0"], ["bad1"]]}, Tok())
+    out = humaneval_pass1(rows, {"base": [["good0"], ["good1"]], "JF round 2": [["good0"], ["bad1"]]}, Tok())
     assert out == {"base": 1.0, "JF round 2": 0.5}

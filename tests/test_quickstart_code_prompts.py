@@ -10,7 +10,7 @@ import pytest
 
 from megatron_jf.eval.benchmarks import load_benchmark
 from megatron_jf.eval.prompts import build_messages
-from megatron_jf.quickstart.code_prompts import (
+from megatron_jf.data.sources.code_prompts import (
     Decontaminator,
     FunctionStub,
     iter_function_stubs,
@@ -18,7 +18,7 @@ from megatron_jf.quickstart.code_prompts import (
     normalize,
     stub_messages,
 )
-from megatron_jf.quickstart.corpus import split_of, stdlib_root
+from megatron_jf.data.sources.corpus import split_of, stdlib_root
 
 GENUINE = '''
 def parse_header_line(line, *, lower=True):
@@ -118,7 +118,7 @@ def test_request_is_the_evaluation_format(humaneval):
 def test_smollm2_chat_rendering(tmp_path):
     from transformers import AutoTokenizer
 
-    from megatron_jf.quickstart.smollm import find_smollm2_gguf
+    from megatron_jf.models.smollm2 import find_smollm2_gguf
     from megatron_jf.tokenizer import load_tokenizer
 
     g = find_smollm2_gguf()

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from megatron_jf.fileio import atomic_write_json
-from megatron_jf.quickstart.pipeline import PRESETS
+from recipes.quickstart.presets import PRESETS
 
 
 class _Pipe:
@@ -48,7 +48,7 @@ def test_learning_curve_evaluates_every_saved_iteration(tmp_path, mp1):
     from megatron_jf import checkpointing as C
     from megatron_jf.inference.engine import DecodeConfig, Engine
     from megatron_jf.decoding import PAPER
-    from megatron_jf.quickstart.learning_curve import curve_markdown, curve_points, evaluate_curve, plot_curve
+    from recipes.quickstart.learning_curve import curve_markdown, curve_points, evaluate_curve, plot_curve
 
     pre = replace(PRESETS["smoke"], jf1_steps=4, jf2_steps=6, jf_mbs=3, n2=8, response_tokens=10,
                   curve_tpf_prompts=2)
@@ -90,7 +90,7 @@ def test_learning_curve_evaluates_every_saved_iteration(tmp_path, mp1):
 
 
 def test_stage_costs_from_done_markers(tmp_path):
-    from megatron_jf.quickstart.costs import costs_markdown, stage_costs
+    from recipes.quickstart.costs import costs_markdown, stage_costs
 
     pipe = _Pipe(tmp_path, replace(PRESETS["smoke"], jf_mbs=2))
     atomic_write_json(tmp_path / "prompts.done", {"train": 5, "seconds": 3.0})
@@ -107,7 +107,7 @@ def test_stage_costs_from_done_markers(tmp_path):
 
 
 def test_interpretation_compares_base_and_final_against_the_targets():
-    from megatron_jf.quickstart.interpret import interpretation_markdown
+    from recipes.quickstart.interpret import interpretation_markdown
 
     def row(model, dec, tpf, nll, speed=1.0, p1=0.25):
         return {"model": model, "decoder": dec, "tpf": tpf, "speedup": speed, "pass@1": p1, "nll": nll,
@@ -131,8 +131,8 @@ def test_interpretation_compares_base_and_final_against_the_targets():
 def test_real_preset_round2_collects_a_prefix_of_the_prompts(tmp_path, monkeypatch):
     """traj2 regenerates trajectories for the first traj2_prompts training prompts, at the trajectory length; the
     JF rounds save jf_saves evenly spaced checkpoints (the learning curve's points)."""
-    from megatron_jf.quickstart import pipeline
-    from megatron_jf.quickstart.pipeline import Pipeline
+    from recipes.quickstart import cli as QC, pipeline, presets as PS
+    from recipes.quickstart.pipeline import Pipeline
 
     monkeypatch.setattr(pipeline, "vllm_python", lambda: None)  # this project's collector (vLLM's: its own test)
 
@@ -163,7 +163,7 @@ def test_real_preset_round2_collects_a_prefix_of_the_prompts(tmp_path, monkeypat
 def test_work_directory_of_other_preset_settings_is_refused(tmp_path):
     import pytest
 
-    from megatron_jf.quickstart.pipeline import main
+    from recipes.quickstart.cli import main
 
     out = tmp_path / "w"
     out.mkdir()
@@ -177,7 +177,7 @@ def test_work_directory_older_than_a_setting_resumes_with_its_default(tmp_path, 
     default, and is refused when the command line changes it."""
     import pytest
 
-    from megatron_jf.quickstart import pipeline as P
+    from recipes.quickstart import cli as QC, pipeline as P, presets as PS
 
     seen = []
     monkeypatch.setattr(P.Pipeline, "execute", lambda self, until=None: seen.append(self.p))
@@ -186,11 +186,11 @@ def test_work_directory_older_than_a_setting_resumes_with_its_default(tmp_path, 
     old = asdict(PRESETS["real"])
     del old["jf_pc_weight"]
     atomic_write_json(out / "preset.json", old)
-    P.main(["--real", "--out", str(out)])
+    QC.main(["--real", "--out", str(out)])
     assert seen and seen[-1].jf_pc_weight == 1.0
     atomic_write_json(out / "preset.json", old)
     with pytest.raises(SystemExit, match=r"other preset settings \(jf_pc_weight\)"):
-        P.main(["--real", "--out", str(out), "--pc-weight", "0"])
+        QC.main(["--real", "--out", str(out), "--pc-weight", "0"])
 
 
 def test_recipe_knobs_from_the_command_line_reach_the_stages(tmp_path, monkeypatch):
@@ -201,9 +201,9 @@ def test_recipe_knobs_from_the_command_line_reach_the_stages(tmp_path, monkeypat
     import pytest
 
     from megatron_jf.precision import CPU_BF16_ENV
-    from megatron_jf.quickstart import pipeline as P
-    from megatron_jf.quickstart.corpus import list_corpus_files, split_files
-    from megatron_jf.quickstart.tokenizer_train import train_bpe_tokenizer
+    from recipes.quickstart import cli as QC, pipeline as P, presets as PS
+    from megatron_jf.data.sources.corpus import list_corpus_files, split_files
+    from megatron_jf.data.tokenizer_train import train_bpe_tokenizer
     from megatron_jf.tokenizer import load_tokenizer
 
     seen = []
@@ -212,16 +212,16 @@ def test_recipe_knobs_from_the_command_line_reach_the_stages(tmp_path, monkeypat
     out = tmp_path / "w"
     knobs = ["--lr", "5e-5", "--ar-weight", "4", "--anchor-weight", "0.5", "--traj2-prompts", "200",
              "--jf2-steps", "100", "--precision", "bf16", "--pc-weight", "0"]
-    P.main(["--real", "--out", str(out), *knobs])
+    QC.main(["--real", "--out", str(out), *knobs])
     pre = seen[-1]
     assert (pre.jf_lr, pre.jf_ar_weight, pre.anchor_weight, pre.traj2_prompts, pre.jf2_steps, pre.precision,
             pre.jf_pc_weight) == (5e-5, 4.0, 0.5, 200, 100, "bf16", 0.0)
     assert json.loads((out / "preset.json").read_text())["jf_lr"] == 5e-5
     with pytest.raises(SystemExit, match=r"other preset settings \(jf_lr\)"):  # resumes only with the same recipe
-        P.main(["--real", "--out", str(out), *knobs[2:]])
+        QC.main(["--real", "--out", str(out), *knobs[2:]])
     monkeypatch.setenv(CPU_BF16_ENV, "0")
     with pytest.raises(SystemExit, match="--precision bf16 on CPU needs native bf16"):
-        P.main(["--real", "--out", str(tmp_path / "w2"), "--precision", "bf16"])
+        QC.main(["--real", "--out", str(tmp_path / "w2"), "--precision", "bf16"])
 
     pipe = P.Pipeline(out, pre, log=lambda *a: None)
     tok_dir = train_bpe_tokenizer(tmp_path / "tok", texts=["def f(x):\n    return x + 1\n"] * 30, vocab_size=300,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_jf.quickstart.interpret import interpretation_markdown, row_check, target_verdict, warning_lines
-from megatron_jf.quickstart.timing import time_interleaved, torch_threads
+from recipes.quickstart.interpret import interpretation_markdown, row_check, target_verdict, warning_lines
+from recipes.quickstart.timing import time_interleaved, torch_threads
 
 DEGENERATE = ("DEGENERATE OUTPUT: distinct-2 0.051 < 0.1 - TPF and speedup are not meaningful; L_pc IDENTICALLY ZERO "
               "during JF training (pc_loss = 0 at every logged step)")
@@ -62,7 +62,7 @@ def test_one_warning_line_per_model_and_short_tags_in_cells():
 
 
 def test_markdown_prints_each_warning_once():
-    from megatron_jf.quickstart.report import _markdown
+    from recipes.quickstart.report import _markdown
 
     s = _summary(final_warning=DEGENERATE)
     for r in s["rows"]:

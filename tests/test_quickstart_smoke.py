@@ -25,7 +25,7 @@ def smoke_run(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("quickstart") / "qs"
     env = pinned_env(dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO))
-    cmd = [sys.executable, "-m", "megatron_jf.quickstart.pipeline", "--smoke", "--threads", "1", "--out", str(out)]
+    cmd = [sys.executable, "-m", "recipes.quickstart", "--smoke", "--threads", "1", "--out", str(out)]
     p = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=1700)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return out, cmd, env
@@ -33,7 +33,7 @@ def smoke_run(tmp_path_factory):
 
 def test_quickstart_smoke_tests_the_method(smoke_run):
     from megatron_jf.eval.degenerate import DISTINCT_THRESHOLD
-    from megatron_jf.quickstart.golden import run_figures
+    from tests.quickstart_golden import run_figures
 
     out, _, _ = smoke_run
     rep = json.loads((out / "report" / "report.json").read_text())
@@ -55,7 +55,7 @@ def test_quickstart_smoke_tests_the_method(smoke_run):
 
 def test_quickstart_smoke_matches_golden_values(smoke_run):
     from megatron_jf.cpu_numerics import describe, numerics_mismatch
-    from megatron_jf.quickstart.golden import compare, fixture_for, run_figures, run_numerics
+    from tests.quickstart_golden import compare, fixture_for, run_figures, run_numerics
 
     out, _, _ = smoke_run
     numerics = run_numerics(out)
@@ -125,7 +125,7 @@ def test_golden_numerics_name_a_code_path_mismatch(tmp_path):
     numerics_mismatch names an unpinned AVX-512 run against a pinned fixture (the issue-30 failure) and nothing for
     the same code path on a CPU with other flags; golden's --compare prints it as the likely cause."""
     from megatron_jf.cpu_numerics import ISA_PIN, numerics_mismatch
-    from megatron_jf.quickstart.golden import run_numerics
+    from tests.quickstart_golden import run_numerics
 
     pinned = {"capability": "AVX2", "pin": dict(ISA_PIN), "pinned": True, "cpu_flags": ["avx2"]}
     native = {"capability": "AVX512", "pin": {k: None for k in ISA_PIN}, "pinned": False,
@@ -145,7 +145,7 @@ def test_golden_numerics_name_a_code_path_mismatch(tmp_path):
 def test_golden_compare_names_each_figure_out_of_tolerance():
     """compare() reports a figure outside its tolerance and a golden figure the run lacks, one line each, and
     nothing for figures within tolerance or extra figures."""
-    from megatron_jf.quickstart.golden import compare
+    from tests.quickstart_golden import compare
 
     golden = {"figures": {"jf2.fit_tpf": {"value": 1.2, "tol": 0.05}, "jf2.nll": {"value": 3.48, "tol": 0.1},
                           "traj2.tpf": {"value": 1.09, "tol": 0.08}}}

@@ -1,4 +1,4 @@
-"""The round-2 recipe sweep (megatron_jf.quickstart.sweep) on a tiny finished "quickstart" directory: each run trains
+"""The round-2 recipe sweep (recipes.quickstart.sweep) on a tiny finished "quickstart" directory: each run trains
 round 2 from the round-1 checkpoint with its own lr / AR weight / anchor weight and is measured (Jacobi TPF with
 output == AR, held-out NLL, distinct-4); re-running skips finished runs."""
 
@@ -18,7 +18,7 @@ from train_fixtures import make_record, write_shards  # noqa: E402
 
 
 def test_parse_run_and_names():
-    from megatron_jf.quickstart.sweep import parse_run, run_name
+    from recipes.quickstart.sweep import parse_run, run_name
 
     assert parse_run("lr=3e-5, ar=4") == {"jf2_lr": 3e-5, "jf2_ar_weight": 4.0}
     assert run_name(parse_run("ar=4,lr=3e-5,steps=96,anchor=1")) == "lr3e-05_ar4_anchor1_steps96"
@@ -33,8 +33,8 @@ def finished(tmp_path_factory, mp1):
     evaluation prompts, held-out tokens, a smoke preset with 2 round-2 steps of 2 samples."""
     from megatron_jf.checkpointing import read_meta
     from megatron_jf.fileio import atomic_write_json
-    from megatron_jf.quickstart.pipeline import PRESETS
-    from megatron_jf.server.tiny import build_tiny_checkpoint
+    from recipes.quickstart.presets import PRESETS
+    from megatron_jf.models.zoo import build_tiny_checkpoint
 
     src = tmp_path_factory.mktemp("qs")
     ck = build_tiny_checkpoint(str(src / "tiny"), in_process=True, max_pos=512)
@@ -56,7 +56,7 @@ def finished(tmp_path_factory, mp1):
 
 
 def test_sweep_trains_each_run_and_measures_it(finished, tmp_path, capsys):
-    from megatron_jf.quickstart import sweep
+    from recipes.quickstart import sweep
 
     out = tmp_path / "sweep"
     argv = ["--from", str(finished), "--out", str(out), "--run", "lr=1e-3,ar=1,anchor=0", "--run", "lr=1e-3,ar=1,anchor=1",
@@ -78,7 +78,7 @@ def test_sweep_trains_each_run_and_measures_it(finished, tmp_path, capsys):
     assert os.path.islink(out / "lr0.001_ar1_anchor0" / "jf1")  # the round-1 model is shared, not copied
     md = (out / "sweep.md").read_text()
     assert "| lr0.001_ar1_anchor0 | 0.001 | 1 | 0 | 4 | " in md and f"({plain['nll'] - base['nll']:+.3f})" in md
-    assert plain["finish"] == (f"python -m megatron_jf.quickstart.pipeline --out {finished} --smoke --jf2-steps 2 "
+    assert plain["finish"] == (f"python -m recipes.quickstart --out {finished} --smoke --jf2-steps 2 "
                                f"--jf2-lr 0.001 --jf2-ar-weight 1 --jf2-anchor-weight 0 --jf2-from "
                                f"{out / 'lr0.001_ar1_anchor0'}")
     assert f"- lr0.001_ar1_anchor0: `{plain['finish']}`" in md
@@ -91,7 +91,7 @@ def test_sweep_trains_each_run_and_measures_it(finished, tmp_path, capsys):
         sweep.main(["--from", str(tmp_path), "--out", str(out), "--run", "lr=1e-3"])
 
     # adopting a run's round 2 (--jf2-from): its checkpoints become the swept directory's jf2 stage, byte for byte
-    from megatron_jf.quickstart.pipeline import load_preset
+    from recipes.quickstart.presets import load_preset
 
     run = out / "lr0.001_ar1_anchor1"
     pre = replace(load_preset(finished), **sweep.parse_run("lr=1e-3,ar=1,anchor=1"))
@@ -125,12 +125,12 @@ def test_finish_command_resumes_the_run_with_round_2_recipe(tmp_path, monkeypatc
     started, and round 2 then trains with the run's recipe while round 1 keeps its own; a started jf2 stage, or a
     change to round 1's recipe, is refused with a line naming what to do."""
     from megatron_jf.fileio import atomic_write_json
-    from megatron_jf.quickstart import pipeline as P
-    from megatron_jf.quickstart.sweep import finish_command, parse_run
+    from recipes.quickstart import cli as QC, pipeline as P, presets as PS
+    from recipes.quickstart.sweep import finish_command, parse_run
 
     src = tmp_path / "qs"
     src.mkdir()
-    atomic_write_json(src / "preset.json", asdict(replace(P.PRESETS["real"], traj2_prompts=192)))
+    atomic_write_json(src / "preset.json", asdict(replace(PS.PRESETS["real"], traj2_prompts=192)))
     for st in ("corpus", "base", "prompts", "traj1", "jf1", "traj2"):
         (src / f"{st}.done").write_text("{}")
     cmd = finish_command(src, parse_run("lr=3e-5,ar=4,steps=96"))
@@ -139,11 +139,11 @@ def test_finish_command_resumes_the_run_with_round_2_recipe(tmp_path, monkeypatc
                     "--jf2-ar-weight", "4"]
     seen = []
     monkeypatch.setattr(P.Pipeline, "execute", lambda self, until=None: seen.append(self))
-    P.main(argv)
+    QC.main(argv)
     pre = seen[-1].p
     assert pre.round_recipe("jf2") == (3e-5, 4.0, 0.0) and pre.round_recipe("jf1") == (1e-4, 1.0, 0.0)
     assert "jf2_lr: None -> 3e-05 (stage jf2 not run yet)" in capsys.readouterr().out
-    assert P.load_preset(src) == pre  # recorded: the next resume needs the same flags
+    assert PS.load_preset(src) == pre  # recorded: the next resume needs the same flags
     calls = []
     seen[-1].run = lambda args, stage: calls.append([str(a) for a in args])
     seen[-1].stage_jf("jf2", "jf1", "traj2", 32, 8, 96)
@@ -152,10 +152,10 @@ def test_finish_command_resumes_the_run_with_round_2_recipe(tmp_path, monkeypatc
     assert (jf2[jf2.index("--lr") + 1], jf2[jf2.index("--ar-weight") + 1]) == ("3e-05", "4.0")
     assert (jf1[jf1.index("--lr") + 1], jf1[jf1.index("--ar-weight") + 1]) == ("0.0001", "1.0")
     with pytest.raises(SystemExit, match=r"other preset settings \(jf_lr\)"):
-        P.main([*argv, "--lr", "3e-5"])
+        QC.main([*argv, "--lr", "3e-5"])
     (src / "jf2").mkdir()
     with pytest.raises(SystemExit, match=r"started jf2 stage made with other settings \(jf2_lr\); delete .*jf2"):
-        P.main([*argv[:-4], "--jf2-lr", "1e-5", "--jf2-ar-weight", "4"])
+        QC.main([*argv[:-4], "--jf2-lr", "1e-5", "--jf2-ar-weight", "4"])
 
     # --jf2-from: a (here hand-made) sweep run of this recipe becomes the jf2 stage; one of another recipe is refused
     (src / "jf2").rmdir()
@@ -168,8 +168,8 @@ def test_finish_command_resumes_the_run_with_round_2_recipe(tmp_path, monkeypatc
         os.symlink(src / name, run / name)
     atomic_write_json(run / "result.json", {"train_s": 12.5, "preset": asdict(replace(pre, jf2_lr=1e-5))})
     with pytest.raises(SystemExit, match=r"trained with other settings \(jf2_lr=1e-05 here 3e-05\)"):
-        P.main([*argv, "--jf2-from", str(run)])
+        QC.main([*argv, "--jf2-from", str(run)])
     atomic_write_json(run / "result.json", {"train_s": 12.5, "preset": asdict(replace(pre, threads=1))})
-    P.main([*argv, "--jf2-from", str(run)])
+    QC.main([*argv, "--jf2-from", str(run)])
     assert (src / "jf2" / "weights").read_bytes() == b"w" and (src / "jf2_log.jsonl").read_text() == "{}\n"
     assert json.loads((src / "jf2.done").read_text())["seconds"] == 12.5

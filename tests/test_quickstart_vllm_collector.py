@@ -7,8 +7,9 @@ from dataclasses import replace
 
 
 def test_real_preset_collects_with_vllm_when_installed(tmp_path, monkeypatch):
-    from megatron_jf.quickstart import pipeline
-    from megatron_jf.quickstart.pipeline import PRESETS, Pipeline
+    from recipes.quickstart import pipeline
+    from recipes.quickstart.pipeline import Pipeline
+    from recipes.quickstart.presets import PRESETS
 
     monkeypatch.setattr(pipeline, "vllm_python", lambda: "/envs/vllm/bin/python")
     logs = []

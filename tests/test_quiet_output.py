@@ -14,7 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory, mp1):
-    from megatron_jf.server.tiny import build_tiny_checkpoint
+    from megatron_jf.models.zoo import build_tiny_checkpoint
 
     return build_tiny_checkpoint(str(tmp_path_factory.mktemp("quiet")), max_pos=128, in_process=True)
 
@@ -64,7 +64,8 @@ def test_step_lines_come_in_order_with_the_progress_bar(tmp_path, monkeypatch):
 
 def test_logged_commands_paste_back(tmp_path):
     """The quickstart logs each command it runs; pasted into a shell, the logged line runs the same argv."""
-    from megatron_jf.quickstart.pipeline import PRESETS, Pipeline
+    from recipes.quickstart.pipeline import Pipeline
+    from recipes.quickstart.presets import PRESETS
 
     lines = []
     pipe = Pipeline(tmp_path / "work", PRESETS["smoke"], log=lines.append)

@@ -31,7 +31,7 @@ EXAMPLES = {
     "examples/progressive_distillation.sh": "dry-run",
     "examples/train_jf_qwen7b_h200.sh": "dry-run",
     "examples/run_text_server.sh": "stub",
-    "examples/quickstart.sh": ("module", "megatron_jf.quickstart.pipeline"),
+    "examples/quickstart.sh": ("module", "recipes.quickstart"),
 }
 
 
@@ -72,7 +72,7 @@ def entry_point(words):
 
 
 def parser_of(entry: str):
-    """The ``argparse`` parser of a Python entry point (a script path or ``-m`` module)."""
+    """The ``argparse`` parser of a Python entry point (a script path, or a ``-m`` module or package)."""
     if entry == "pretrain_jf.py":
         from megatron_jf.training.config import build_parser
 
@@ -81,6 +81,8 @@ def parser_of(entry: str):
         mod = load_tool(os.path.splitext(os.path.basename(entry))[0], "_readme")
     else:
         mod = importlib.import_module(entry)
+        if not hasattr(mod, "build_parser"):  # a package run with -m: its command line is its cli module's
+            mod = importlib.import_module(entry + ".cli")
     return mod.build_parser()
 
 

@@ -27,7 +27,7 @@ VOCAB = 255
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory, mp1):
-    from megatron_jf.testing import save_tiny_hf
+    from megatron_jf.models.zoo import save_tiny_hf
 
     d = str(tmp_path_factory.mktemp("jfrecompute"))
     save_tiny_hf(os.path.join(d, "hf"), "qwen2", seed=5, vocab=VOCAB, layers=4, tied=True, max_pos=128)

@@ -11,7 +11,7 @@ import torch
 
 @pytest.fixture(scope="module")
 def model(mp1):
-    from megatron_jf.testing import mcore_twin, tiny_hf_model
+    from megatron_jf.models.zoo import mcore_twin, tiny_hf_model
 
     return mcore_twin(tiny_hf_model("qwen2", scale=0.3, seed=1))
 

@@ -1,7 +1,7 @@
 """Text generation server (issue: "Text generation server with MR decoding").
 
 A real uvicorn server on 127.0.0.1 (free port, background thread) serves a tiny real checkpoint
-(byte-level BPE + peaked Qwen2, see megatron_jf.server.tiny); greedy responses are compared with
+(byte-level BPE + peaked Qwen2, see megatron_jf.models.zoo); greedy responses are compared with
 offline ``Engine.generate`` on the same checkpoint.
 """
 import json

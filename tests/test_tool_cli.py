@@ -1,7 +1,7 @@
 """Tool command lines: one message for a Hugging Face folder given as ``--load`` (every tool), Megatron-LM flag
 aliases, and help that shows every default (issue 13, "Flags users already know", "One message for one mistake").
 
-The HF folder is a real tiny ``save_pretrained`` output (:func:`megatron_jf.testing.save_tiny_hf`).
+The HF folder is a real tiny ``save_pretrained`` output (:func:`megatron_jf.models.zoo.save_tiny_hf`).
 """
 import argparse
 import importlib.util
@@ -24,7 +24,7 @@ def _tool(name):
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    from megatron_jf.testing import save_tiny_hf
+    from megatron_jf.models.zoo import save_tiny_hf
 
     return save_tiny_hf(str(tmp_path_factory.mktemp("hfload") / "tiny-qwen2"))
 

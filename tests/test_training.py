@@ -33,7 +33,7 @@ HF_KW = dict(vocab=VOCAB, layers=4, tied=True, max_pos=128)
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory, mp1):
-    from megatron_jf.testing import save_tiny_hf
+    from megatron_jf.models.zoo import save_tiny_hf
 
     d = str(tmp_path_factory.mktemp("jftrain"))
     save_tiny_hf(os.path.join(d, "hf"), "qwen2", seed=5, **HF_KW)
@@ -425,7 +425,7 @@ def test_cli_reports_bad_input_as_one_line(work):
 def test_saved_checkpoint_carries_the_tokenizer(work, tmp_path):
     """A JF run from a checkpoint with a tokenizer saves one too, so generate/evaluate/serve/collect load it."""
     from megatron_jf import checkpointing
-    from megatron_jf.server.tiny import build_tiny_checkpoint
+    from megatron_jf.models.zoo import build_tiny_checkpoint
     from megatron_jf.tokenizer import load_tokenizer
 
     src = build_tiny_checkpoint(str(tmp_path / "tiny"), in_process=True)

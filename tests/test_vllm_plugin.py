@@ -36,7 +36,7 @@ pytest.importorskip("vllm")
 # engines in this process (the plugin is loaded here by vLLM's plugin loader, as in every vLLM process)
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-from megatron_jf.testing import save_with_tokenizer  # noqa: E402
+from megatron_jf.models.zoo import save_with_tokenizer  # noqa: E402
 from tests.vllm_support import PolicyRule, RunningWindowRule, cycle_successor, reference_decode  # noqa: E402
 
 N_JACOBI = 4
@@ -62,7 +62,7 @@ def models(tmp_path_factory):
     """Two tiny checkpoints (vocabulary 256, head size 32 as vLLM's CPU attention needs, EOS 255) with their
     transformers twins: ``rand``, a random Llama (drafts are rarely accepted), and ``cycle``, a Qwen2 whose greedy
     continuation walks cycles of 4 consecutive ids (252 -> 253 -> 254 -> 255=EOS -> 252 ...; long accepted drafts)."""
-    from megatron_jf.testing import peaked_hf_model, tiny_hf_model
+    from megatron_jf.models.zoo import peaked_hf_model, tiny_hf_model
 
     root = tmp_path_factory.mktemp("vllm_models")
     shape = dict(hidden=128, heads=4, kv_heads=2, ffn=192)
@@ -489,7 +489,7 @@ def test_sampling_keeps_the_distribution(tmp_path):
     import torch
     from vllm import LLM
 
-    from megatron_jf.testing import tiny_hf_model
+    from megatron_jf.models.zoo import tiny_hf_model
 
     hf = tiny_hf_model("qwen2", vocab=6, scale=0.1, seed=9, hidden=128, heads=4, kv_heads=2, ffn=192)
     path = save_with_tokenizer(hf, str(tmp_path / "v6"))

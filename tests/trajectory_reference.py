@@ -25,7 +25,7 @@ def tiny_models():
     whose greedy continuation walks cycles of 4 consecutive ids (252 -> 253 -> 254 -> 255=EOS: EOS after a few
     tokens); ``peaked``, a Qwen2 that repeats its last token (with ``repeat`` drafts every block is accepted whole in
     one forward: bonus tokens past a block's end, EOS and the length limit inside an accepted draft)."""
-    from megatron_jf.testing import peaked_hf_model, tiny_hf_model
+    from megatron_jf.models.zoo import peaked_hf_model, tiny_hf_model
 
     shape = dict(hidden=128, heads=4, kv_heads=2, ffn=192)
     return {"rand": tiny_hf_model("llama", seed=2, scale=0.3, **shape),

@@ -1,5 +1,5 @@
 """Helpers for the vLLM plugin tests (tests/test_vllm_*.py): a reference loop of linear speculative decoding verified by
-``transformers`` greedy (tiny real checkpoints with a tokenizer: :func:`megatron_jf.testing.save_with_tokenizer`).
+``transformers`` greedy (tiny real checkpoints with a tokenizer: :func:`megatron_jf.models.zoo.save_with_tokenizer`).
 
 Importing this module imports neither vLLM nor torch (the tests that need them skip where vLLM is missing).
 """
@@ -10,7 +10,7 @@ from megatron_jf.decoding import Outcome, accepted_prefix, draft_rng
 
 
 def cycle_successor(period: int):
-    """Next token of :func:`megatron_jf.testing.peaked_hf_model`'s cycles of ``period`` consecutive ids."""
+    """Next token of :func:`megatron_jf.models.zoo.peaked_hf_model`'s cycles of ``period`` consecutive ids."""
     return lambda t: t - t % period + (t % period + 1) % period
 
 

@@ -3,7 +3,7 @@
 A model that emits one token over and over (the smoke preset's tiny model emits only spaces) is trivially easy
 to decode in parallel: every Jacobi iteration "converges" at once, TPF approaches the block size and the
 speedup looks spectacular. Such numbers say nothing about Jacobi Forcing, so the reports (``tools/evaluate.py``
-via :mod:`megatron_jf.eval.harness`, and :mod:`megatron_jf.quickstart.report`) print a warning beside them when
+via :mod:`megatron_jf.eval.harness`, and :mod:`recipes.quickstart.report`) print a warning beside them when
 
 * the completions are mostly one repeated token: the most frequent token is at least
   :data:`TOP_TOKEN_SHARE_THRESHOLD` of all generated tokens, or the mean per-completion distinct-2 ratio

@@ -3,7 +3,7 @@ speedups reported against the faster AR (paper Sec. 4.1; issue 14: this project'
 on the same weights, whichever is faster).
 
 Used by the evaluator (:mod:`megatron_jf.eval.harness`, per batch: :func:`run_batch`), the quickstart report
-(:mod:`megatron_jf.quickstart.report`) and ``bench/quickstart_variant.py`` (both :func:`measure`).
+(:mod:`recipes.quickstart.report`) and ``bench/quickstart_variant.py`` (both :func:`measure`).
 
 For each batch of prompts, every method runs back to back on the same token ids (the AR reference first), each
 ``generate`` call timed on the wall clock; ``transformers`` greedy (when given) then produces exactly the

@@ -69,7 +69,7 @@ def main():
     import torch.distributed as dist
 
     from megatron_jf import parallel
-    from megatron_jf.testing import tiny_hf_model
+    from megatron_jf.models.zoo import tiny_hf_model
     from loss_rows_tp import build
     from train_fixtures import print_results
 

@@ -11,7 +11,7 @@ def main():
     from megatron_jf.inference.forward import forward_logits
     from megatron_jf.models.gpt import build_model, new_kv_cache
     from megatron_jf.models.hf_config import ModelArgs
-    from megatron_jf.testing import peaked_hf_model
+    from megatron_jf.models.zoo import peaked_hf_model
 
     parallel.initialize(2, 1)
     parallel.set_seed(0)

@@ -81,7 +81,7 @@ def step(model, args, batch, cfg, head):
 
 def main():
     from megatron_jf import parallel
-    from megatron_jf.testing import tiny_hf_model
+    from megatron_jf.models.zoo import tiny_hf_model
     from megatron_jf.training.losses import LossConfig
 
     hf = tiny_hf_model("qwen2", seed=9, vocab=VOCAB, layers=2)
@@ -127,7 +127,7 @@ def train_phase(work):
     from train_fixtures import PARALLEL_CONFIGS, make_record, parallel_config, write_shards
 
     import pretrain_jf
-    from megatron_jf.testing import save_tiny_hf
+    from megatron_jf.models.zoo import save_tiny_hf
     from megatron_jf.training.trainer import Trainer
 
     if dist.get_rank() == 0:

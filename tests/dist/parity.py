@@ -29,7 +29,7 @@ def run_case(mode, case, family, tied, tp, pp):
     from megatron_jf.inference.forward import forward_logits
     from megatron_jf.models.gpt import build_model
     from megatron_jf.models.hf_config import ModelArgs
-    from megatron_jf.testing import tiny_hf_model
+    from megatron_jf.models.zoo import tiny_hf_model
 
     hf = tiny_hf_model(family, tied=tied, layers=4)
     args = ModelArgs.from_hf_dict(hf.config.to_dict())

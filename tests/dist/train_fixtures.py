@@ -55,7 +55,7 @@ def tiny_mcore_model(seed: int = 0, layers: int = 2, **kw):
     from megatron_jf.models.convert import hf_to_mcore
     from megatron_jf.models.gpt import build_model
     from megatron_jf.models.hf_config import ModelArgs
-    from megatron_jf.testing import tiny_hf_model
+    from megatron_jf.models.zoo import tiny_hf_model
 
     hf = tiny_hf_model("qwen2", seed=seed, layers=layers, **kw)
     args = ModelArgs.from_hf_dict(hf.config.to_dict())
@@ -71,7 +71,7 @@ def tiny_mcore_model(seed: int = 0, layers: int = 2, **kw):
 
 def save_tiny_hf_config(path: str, **kw) -> str:
     """Write only the ``config.json`` of a tiny Qwen2 into ``path`` (for from-scratch training)."""
-    from megatron_jf.testing import tiny_hf_config
+    from megatron_jf.models.zoo import tiny_hf_config
 
     os.makedirs(path, exist_ok=True)
     tiny_hf_config("qwen2", **kw).save_pretrained(path)

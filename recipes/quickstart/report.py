@@ -20,82 +20,14 @@ from megatron_jf.eval.hf_baseline import HF as HF_ROW  # "transformers greedy"
 from megatron_jf.fileio import atomic_write_json, atomic_write_text
 
 
+from megatron_jf.eval.quality import answer_nll, distinct4, heldout_nll, humaneval_pass1, math_accuracy
+
+
 def _load(path):
     from megatron_jf.checkpointing import load_model
 
     model, args, meta = load_model(str(path))
     return model
-
-
-@torch.no_grad()
-def heldout_nll(model, tokens: np.ndarray, chunks: int, seq: int = 256) -> tuple[float, torch.Tensor]:
-    """Teacher-forced quality on held-out text.
-
-    Args:
-        tokens: int token stream (held-out files, EOS-separated).
-        chunks: number of evenly spaced windows of ``seq`` tokens.
-
-    Returns:
-        ``(nll, argmax)``: mean next-token negative log-likelihood in nats/token, and the model's greedy
-        next-token predictions, int64 ``[chunks, seq]`` (compared across models for teacher-forced agreement,
-        which unlike free-running agreement is not dominated by where two greedy continuations first part).
-    """
-    from megatron_jf.inference.forward import forward_logits
-
-    starts = np.linspace(0, len(tokens) - seq - 2, chunks).astype(int)
-    total, count, preds = 0.0, 0, []
-    for i in range(0, len(starts), 8):
-        batch = torch.tensor(np.stack([tokens[s: s + seq + 1] for s in starts[i:i + 8]]).astype(np.int64))
-        logits = forward_logits(model, batch[:, :-1], torch.arange(seq).expand(batch.shape[0], seq))
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
-                                                reduction="sum")
-        total += float(nll)
-        count += batch[:, 1:].numel()
-        preds.append(logits.argmax(-1))
-    return total / count, torch.cat(preds)
-
-
-@torch.no_grad()
-def answer_nll(model, rows: list[dict], eos: int, batch: int = 16) -> tuple[float, torch.Tensor]:
-    """Teacher-forced quality on held-out problems: mean NLL (nats/token) of the ground-truth answers given their
-    questions -- the task's conditional distribution. (Jacobi Forcing trains no question token, so a stream NLL
-    over questions and answers together mostly measures how well the model still writes questions.)
-
-    Args:
-        rows: ``{"prompt_ids", "response_ids"}`` per problem; the response is followed by ``eos``.
-
-    Returns:
-        ``(nll, argmax)``: the mean over every answer token (and the final EOS), and the model's greedy next-token
-        predictions at those positions, int64 ``[total answer tokens]`` (teacher-forced agreement across models).
-    """
-    from megatron_jf.inference.forward import forward_logits
-
-    total, count, preds = 0.0, 0, []
-    for i in range(0, len(rows), batch):
-        seqs = [r["prompt_ids"] + r["response_ids"] + [eos] for r in rows[i:i + batch]]
-        L = max(map(len, seqs))
-        tokens = torch.zeros((len(seqs), L), dtype=torch.int64)
-        for j, sq in enumerate(seqs):
-            tokens[j, : len(sq)] = torch.tensor(sq)
-        logits = forward_logits(model, tokens, torch.arange(L).expand(len(seqs), L)).float()
-        for j, (r, sq) in enumerate(zip(rows[i:i + batch], seqs)):
-            P = len(r["prompt_ids"])
-            pos = torch.arange(P - 1, len(sq) - 1)
-            target = tokens[j, P: len(sq)]
-            total += float(torch.nn.functional.cross_entropy(logits[j, pos], target, reduction="sum"))
-            count += target.numel()
-            preds.append(logits[j, pos].argmax(-1))
-    return total / max(count, 1), torch.cat(preds)
-
-
-def distinct4(seqs) -> float:
-    """Distinct 4-gram ratio of token sequences (1.0 = no repeated 4-gram; low values mean loops)."""
-    grams, total = set(), 0
-    for s in seqs:
-        for i in range(len(s) - 3):
-            grams.add(tuple(s[i:i + 4]))
-            total += 1
-    return len(grams) / max(total, 1)
 
 
 def build_report(pipe) -> dict:
@@ -186,15 +118,15 @@ def build_report(pipe) -> dict:
         fastest = max(ars, key=lambda x: x["tps"])
         r["speedup"] = r["tps"] / fastest["tps"]
         r["fastest_ar"] = fastest["decoder"]
-    pass1 = _humaneval_pass1(prompt_rows, outputs, tok) if "task_id" in prompt_rows[0] else {}
+    pass1 = humaneval_pass1(prompt_rows, outputs, tok) if "task_id" in prompt_rows[0] else {}
     math_quality = None
     if p.math:  # exact answers and arithmetically right steps of the greedy outputs (every decoder's: lossless)
-        from megatron_jf.quickstart.math_domain import load_problems, quality
+        from recipes.quickstart.math_domain import load_problems
 
         answer = {r["id"]: r["answer"] for r in load_problems(pipe.out, "heldout")}
-        math_quality = quality({m: o + quality_outputs[m] for m, o in outputs.items()},
-                               [answer[r["id"]] for r in quality_rows],
-                               lambda t: tok.decode([x for x in t if x not in eos]))
+        math_quality = math_accuracy({m: o + quality_outputs[m] for m, o in outputs.items()},
+                                     [answer[r["id"]] for r in quality_rows],
+                                     lambda t: tok.decode([x for x in t if x not in eos]))
         for r in rows:
             r.update({k: math_quality[r["model"]][k] for k in ("accuracy", "step_accuracy")})
     for r in rows:
@@ -220,11 +152,11 @@ def build_report(pipe) -> dict:
                "noisy_accuracy": extras.get("noisy_accuracy"), "noisy_prompts": p.noisy_prompts if noisy_records else 0,
                "quality_problems": len(quality_rows) if p.math else 0, "near_ties": near_ties}
     if getattr(p, "learning_curve", False):  # TPF and pass@1 at every saved checkpoint (learning_curve.py)
-        from megatron_jf.quickstart.learning_curve import evaluate_curve, plot_curve
+        from recipes.quickstart.learning_curve import evaluate_curve, plot_curve
 
         summary["learning_curve"] = evaluate_curve(pipe, prompt_rows, eos)
         plot_curve(out_dir, summary["learning_curve"], p.report_n)
-    from megatron_jf.quickstart.costs import stage_costs, stage_cpu_seconds  # time per stage
+    from recipes.quickstart.costs import stage_costs, stage_cpu_seconds  # time per stage
 
     summary["stage_costs"] = stage_costs(pipe)
     summary["stage_cpu_seconds"] = stage_cpu_seconds(pipe)
@@ -245,7 +177,7 @@ def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos, fit=(), templa
     """One model: held-out NLL and argmax, then every decoder batched over all prompts (TPF; output asserted equal
     to greedy AR; :func:`megatron_jf.eval.speed.measure`), then at batch 1 on the first ``p.timing_prompts`` prompts
     next to ``transformers`` greedy, warm-up call each and interleaved rounds at ``p.timing_threads`` threads,
-    fastest round kept (TPS; :func:`megatron_jf.quickstart.timing.time_interleaved`), then the Jacobi block-size
+    fastest round kept (TPS; :func:`recipes.quickstart.timing.time_interleaved`), then the Jacobi block-size
     sweep, and the Jacobi TPF at ``n = p.report_n`` on ``fit`` (training prompts: what Jacobi Forcing fit, next to
     the held-out TPF) and on ``template`` (math domain: problems of held-out templates), and the noisy-token accuracy
     by distance on ``noisy_records`` (:mod:`megatron_jf.eval.noisy_accuracy`), and greedy AR on ``quality_prompts``
@@ -266,7 +198,7 @@ def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos, fit=(), templa
     from megatron_jf.decoding import PAPER
     from megatron_jf.eval.speed import LosslessError, divergence, measure
     from megatron_jf.inference.engine import DecodeConfig, Engine
-    from megatron_jf.quickstart.timing import time_interleaved, torch_threads
+    from recipes.quickstart.timing import time_interleaved, torch_threads
 
     model = _load(ckpt)
     eng = Engine(model)
@@ -295,7 +227,7 @@ def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos, fit=(), templa
         rows.append({"model": label, "decoder": name, "tpf": b.tpf, "tokens": b.tokens, "forwards": b.forwards,
                      "nll": nll, "lossless": True, "near_ties": len(b.near_ties)})
     # wall clock at batch 1 on the same prompts for every decoder, warm-up + interleaved rounds
-    # (megatron_jf/quickstart/timing.py): speedup is a same-run ratio
+    # (recipes/quickstart/timing.py): speedup is a same-run ratio
     timing = prompts[: p.timing_prompts]
 
     def engine_runner(cfg, prs):
@@ -399,34 +331,20 @@ def _output_warnings(pipe, models: dict, outputs: dict, tok) -> tuple[dict, dict
     return out, stats
 
 
-def _humaneval_pass1(prompt_rows, outputs, tok) -> dict:
-    """pass@1 of each model's greedy completions (identical for every decoder: they are lossless)."""
-    from megatron_jf.eval.benchmarks import load_benchmark
-    from megatron_jf.eval.scoring import aggregate, score_many
-
-    probs = {p.task_id: p for p in load_benchmark("humaneval")}
-    problems = [probs[r["task_id"]] for r in prompt_rows]
-    out = {}
-    for label, toks in outputs.items():
-        scores = score_many(problems, [tok.decode(t) for t in toks])
-        out[label] = aggregate(scores)["humaneval"]["accuracy"]
-    return out
-
-
 def report_markdown(summary: dict) -> str:
     """``report.md`` from ``report.json``'s summary: the tables, the learning curve (when the summary has one), what
-    the numbers mean against the targets (:mod:`~megatron_jf.quickstart.interpret`) and where the time went. A pure
+    the numbers mean against the targets (:mod:`~recipes.quickstart.interpret`) and where the time went. A pure
     function of the summary, so a report re-renders after a change of its text (``report_markdown(json.load(...))``).
 
     Raises:
         KeyError: a summary without a field the sections read (e.g. ``n`` with a learning curve: report.json files
             written before 2026-12 lack it)."""
-    from megatron_jf.quickstart.costs import costs_markdown
-    from megatron_jf.quickstart.interpret import interpretation_markdown
+    from recipes.quickstart.costs import costs_markdown
+    from recipes.quickstart.interpret import interpretation_markdown
 
     md = _markdown(summary)
     if summary.get("learning_curve"):
-        from megatron_jf.quickstart.learning_curve import curve_markdown
+        from recipes.quickstart.learning_curve import curve_markdown
 
         md += curve_markdown(summary["learning_curve"], summary["n"])
     md += interpretation_markdown(summary)
@@ -462,7 +380,7 @@ def _markdown(s) -> str:
              "| Model | Method | Speedup | TPF | output check | TPS | held-out NLL | top-1 agree w/ base (held-out) "
              "| greedy-output agree w/ base | distinct-4 | pass@1 |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    from megatron_jf.quickstart.interpret import row_check, warning_lines  # one warning line per model
+    from recipes.quickstart.interpret import row_check, warning_lines  # one warning line per model
 
     warned = warning_lines(s.get("warnings"))
     if warned:
@@ -498,7 +416,7 @@ def _math_markdown(s) -> list[str]:
     trajectories (what Jacobi Forcing teaches, on data a change of the model's own output cannot simplify)."""
     mq, tt, na = s["math_quality"], s.get("template_tpf") or {}, s.get("noisy_accuracy") or {}
     td = s.get("template_distinct4") or {}
-    from megatron_jf.quickstart.interpret import headline_n, headline_tpf
+    from recipes.quickstart.interpret import headline_n, headline_tpf
 
     jac = {r["model"]: r["tpf"] for r in s["rows"] if r["decoder"].startswith("Jacobi")}
     mr = {r["model"]: r["tpf"] for r in s["rows"] if r["decoder"].startswith("MR")}

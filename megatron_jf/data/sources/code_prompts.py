@@ -203,7 +203,7 @@ def iter_function_stubs(
         sources: ``[(label, root directory)]`` (default :func:`default_sources`).
         exclude_dirs: directory names skipped anywhere below a root (tests, ``__pycache__``, ...).
         stdlib_heldout: also read the stdlib files of the held-out split
-            (:func:`megatron_jf.quickstart.corpus.split_of`); off by default, because the quickstart measures
+            (:func:`megatron_jf.data.sources.corpus.split_of`); off by default, because the quickstart measures
             held-out NLL on those files.
     """
     excl = frozenset(exclude_dirs) | {"testing", "_vendor", "vendor"}

@@ -96,7 +96,7 @@ def train_bpe_tokenizer(
     Args:
         out_dir: directory to create.
         texts: training documents (default: the stdlib train split,
-            :func:`megatron_jf.quickstart.corpus.iter_documents`).
+            :func:`megatron_jf.data.sources.corpus.iter_documents`).
         vocab_size: target vocabulary size including the 3 special tokens and 256
             byte symbols (the trainer may stop earlier on a small corpus).
         min_frequency: minimum pair count for a merge.
@@ -118,7 +118,7 @@ def train_bpe_tokenizer(
         raise ValueError(f"min_frequency must be >= 1, got {min_frequency}")
     out = Path(out_dir)
     meta = {
-        "kind": "megatron_jf.quickstart.tokenizer_train.train_bpe_tokenizer",
+        "kind": "megatron_jf.quickstart.tokenizer_train.train_bpe_tokenizer",  # a format tag (earlier runs resume)
         "vocab_size": vocab_size,
         "min_frequency": min_frequency,
         "corpus": "stdlib-train" if texts is None else "custom",
@@ -137,7 +137,7 @@ def train_bpe_tokenizer(
             f"{out} already exists and is not this tokenizer (pass overwrite=True to replace it)"
         )
     if texts is None:
-        from .corpus import iter_documents
+        from .sources.corpus import iter_documents
 
         texts = iter_documents("train")
 

@@ -1,7 +1,7 @@
 """The quickstart's math domain (``Preset.corpus == "gsm_symbolic"``): GSM8K-style word problems with chain-of-thought
 answers, where Jacobi Forcing can be learned on a 2-core CPU and quality is measurable.
 
-Stages (called by :class:`megatron_jf.quickstart.pipeline.Pipeline` in place of the code corpus's):
+Stages (called by :class:`recipes.quickstart.pipeline.Pipeline` in place of the code corpus's):
 
 * ``corpus``: the domain's disjoint sets (:func:`megatron_jf.data.gsm_symbolic.make_splits`: templates held out from
   everything, pretraining problems, Jacobi Forcing training prompts and held-out problems from disjoint seed
@@ -15,7 +15,7 @@ Stages (called by :class:`megatron_jf.quickstart.pipeline.Pipeline` in place of 
   the prompts every decoder of the report runs on), ``prompts_eval_template.jsonl`` (problems of the held-out
   templates), each ``{"id", "prompt_ids"}``; the answers stay in ``problems.jsonl``; ``nll_eval.jsonl``: the first
   ``n_eval_prompts`` held-out problems' questions and ground-truth answers as token ids (the report's in-domain NLL:
-  the answers given the questions, ``report.answer_nll``).
+  the answers given the questions, ``megatron_jf.eval.quality.answer_nll``).
 
 The report adds, per model (:func:`quality`): exact-answer accuracy (``#### N``) and the share of the chains'
 ``a op b = c`` steps that are arithmetically right, on every held-out problem of ``prompts_quality.jsonl``.
@@ -27,7 +27,7 @@ import json
 from pathlib import Path
 from random import Random
 
-__all__ = ["stage_corpus", "stage_prompts", "load_problems", "quality"]
+__all__ = ["stage_corpus", "stage_prompts", "load_problems"]
 
 SETS = ("pretrain", "train", "heldout", "heldout_template")
 
@@ -55,7 +55,7 @@ def stage_corpus(pipe) -> dict:
 
     from megatron_jf.data.gsm_symbolic import drill_steps, drills_from_steps, make_splits
     from megatron_jf.fileio import atomic_write_text
-    from megatron_jf.quickstart.tokenizer_train import train_bpe_tokenizer
+    from megatron_jf.data.tokenizer_train import train_bpe_tokenizer
     from megatron_jf.tokenizer import load_tokenizer
 
     p = pipe.p
@@ -120,25 +120,3 @@ def stage_prompts(pipe) -> dict:
              f"for the decoders ({counts['heldout']} scored for accuracy), {counts['heldout_template']} problems of "
              "held-out templates")
     return counts
-
-
-def quality(outputs: dict, answers: list[str], decode) -> dict:
-    """Per model: ``{"accuracy", "correct", "step_accuracy", "steps"}`` of its greedy outputs on the held-out problems
-    (``step_accuracy`` is None when the outputs hold no ``a op b = c`` step: report.json stays strict JSON).
-
-    Args:
-        outputs: model label -> token ids per problem (the greedy AR outputs, in ``answers``' order).
-        answers: the reference answers.
-        decode: ``ids -> str``.
-    """
-    from megatron_jf.data.gsm_symbolic import answers_match, arithmetic_steps, final_answer
-
-    out = {}
-    for label, toks in outputs.items():
-        texts = [decode(t) for t in toks]
-        correct = sum(answers_match(final_answer(t), a) for t, a in zip(texts, answers))
-        steps = [arithmetic_steps(t) for t in texts]
-        right, total = sum(r for r, _ in steps), sum(t for _, t in steps)
-        out[label] = {"accuracy": correct / max(len(texts), 1), "correct": correct, "problems": len(texts),
-                      "step_accuracy": right / total if total else None, "steps": total}
-    return out

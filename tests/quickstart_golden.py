@@ -12,8 +12,8 @@ and the AVX2 pin of :mod:`megatron_jf.cpu_numerics`; every figure depends on the
 every x86 CPU computes the same figures; see ``tests/fixtures/README.md``::
 
     export ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
-    python -m megatron_jf.quickstart.pipeline --smoke --threads 1 --out runs/quickstart-smoke --fresh
-    python -m megatron_jf.quickstart.golden runs/quickstart-smoke --write tests/fixtures/quickstart_smoke_golden.json
+    python -m recipes.quickstart --smoke --threads 1 --out runs/quickstart-smoke --fresh
+    python -m tests.quickstart_golden runs/quickstart-smoke --write tests/fixtures/quickstart_smoke_golden.json
 
 ``--compare`` prints both sides' CPU numerics and, when figures are out of tolerance and the code paths differ,
 names that as the likely cause.

@@ -36,7 +36,7 @@ def _decoded(info: dict) -> int | None:
 def stage_costs(pipe) -> list[dict]:
     """``[{"stage", "seconds", "samples", "samples_per_s"}]`` for every finished stage except ``report``
     (``samples`` is None for stages without a sample count)."""
-    from megatron_jf.quickstart.pipeline import STAGES
+    from recipes.quickstart.presets import STAGES
 
     out = []
     for st in STAGES:
@@ -58,7 +58,7 @@ def stage_costs(pipe) -> list[dict]:
 def stage_cpu_seconds(pipe) -> dict[str, float]:
     """``{stage: CPU seconds}`` of the finished stages whose marker records them (``cpu_seconds``: the pipeline
     process and its subprocesses, user + system)."""
-    from megatron_jf.quickstart.pipeline import STAGES
+    from recipes.quickstart.presets import STAGES
 
     out = {}
     for st in STAGES:

@@ -30,7 +30,7 @@ TARGET_DISTINCT4_DROP = 0.15  #: math domain: relative drop of distinct-4 allowe
 #: accuracy targets have little to lose, so keeping them says little
 TARGET_BASE_ACCURACY, TARGET_BASE_STEPS = 0.10, 0.50
 
-#: short tags of the report's warnings (:func:`megatron_jf.quickstart.report._output_warnings` text -> tag)
+#: short tags of the report's warnings (:func:`recipes.quickstart.report._output_warnings` text -> tag)
 _TAGS = (("DEGENERATE OUTPUT", "degenerate output"), ("L_pc IDENTICALLY ZERO", "L_pc identically zero"))
 
 

@@ -83,7 +83,7 @@ def evaluate_curve(pipe, prompt_rows: list[dict], eos) -> list[dict]:
     """
     from megatron_jf.tokenizer import load_tokenizer
 
-    from .report import _humaneval_pass1
+    from megatron_jf.eval.quality import humaneval_pass1
 
     if pipe.path("prompts_pass.jsonl").is_file():
         prompt_rows = [json.loads(line) for line in open(pipe.path("prompts_pass.jsonl"))]
@@ -109,7 +109,7 @@ def evaluate_curve(pipe, prompt_rows: list[dict], eos) -> list[dict]:
             pipe.log(f"[report] learning curve: {pt['label']} ({pt['samples']} samples)")
             got = dict(_evaluate_point(pipe, pt, prompts, n_tpf, eos), key=key)
             atomic_write_json(cache, got, indent=None)
-        pass1 = _humaneval_pass1(prompt_rows, {"m": got["outputs"]}, tok)["m"] if humaneval else None
+        pass1 = humaneval_pass1(prompt_rows, {"m": got["outputs"]}, tok)["m"] if humaneval else None
         res.append(dict(pt, tpf=got["tpf"], tpf_prompts=n_tpf, pass_prompts=len(prompts), **{"pass@1": pass1}))
     return res
 
@@ -125,7 +125,7 @@ def curve_markdown(points: list[dict], n: int) -> str:
         p1 = "-" if pt["pass@1"] is None else f"{round(pt['pass@1'] * m)}/{m} ({100 * pt['pass@1']:.1f}%)"
         lines.append(f"| {pt['label']} | {pt['samples']} | {pt['tpf']:.3f} | {p1} |")
     if points[0]["pass@1"] is not None and len(points) > 1:
-        from megatron_jf.quickstart.interpret import TARGET_PASS_DELTA
+        from recipes.quickstart.interpret import TARGET_PASS_DELTA
 
         d = round(points[-1]["pass@1"] * m) - round(points[0]["pass@1"] * m)
         lines += ["", f"pass@1 on {m} problems, final checkpoint vs base: {d:+d} problems "

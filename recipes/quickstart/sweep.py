@@ -5,7 +5,7 @@ Jacobi TPF, and that the learning rate that moves it fast also moves held-out NL
 from the same round-1 checkpoint on the same round-2 trajectories with other settings -- peak lr, AR weight
 (paper Eq. 9), the real-text anchor term, steps, precision -- and measures each result the way the report does::
 
-    python -m megatron_jf.quickstart.sweep --from runs/quickstart-real --out runs/sweep-r2 \\
+    python -m recipes.quickstart.sweep --from runs/quickstart-real --out runs/sweep-r2 \\
         --run lr=1e-4,ar=1 --run lr=3e-5,ar=1 --run lr=3e-5,ar=4 --run lr=3e-5,ar=1,anchor=1 --precision bf16
 
 Each ``--run`` is ``key=value`` pairs: ``lr`` (peak; min lr = lr / 10), ``ar`` (AR weight), ``anchor`` (anchor
@@ -20,7 +20,7 @@ ends with, per run, the command that finishes ``FROM`` with that run's round 2: 
 stage has not started) and ``--jf2-from RUN``, which copies the run's round-2 checkpoints instead of training them
 again (:func:`adopt_round2`), so the report follows at once.
 
-``FROM`` must have finished the ``traj2`` stage (``python -m megatron_jf.quickstart.pipeline --real --until traj2``);
+``FROM`` must have finished the ``traj2`` stage (``python -m recipes.quickstart --real --until traj2``);
 the sweep reads it and writes only its tokenizer-made anchor text (``tokens_train.npy``) there.
 """
 
@@ -78,7 +78,7 @@ def _require_finished(src: Path) -> None:
     for need in ("preset.json", "traj2.done", "jf1", "prompts_eval.jsonl"):
         if not (src / need).exists():
             raise FileNotFoundError(f"{src} has no {need}: run the quickstart there up to round 2 first "
-                                    "(python -m megatron_jf.quickstart.pipeline --real --until traj2)")
+                                    "(python -m recipes.quickstart --real --until traj2)")
 
 
 def _link_shared(src: Path, dst: Path) -> None:
@@ -93,7 +93,7 @@ def _measure(pipe, ckpt: str, prompts, eos, held, *, decode: bool = True) -> dic
     from megatron_jf.checkpointing import load_model
 
     from .learning_curve import _evaluate_point
-    from .report import distinct4, heldout_nll
+    from megatron_jf.eval.quality import distinct4, heldout_nll
 
     p = pipe.p
     out = {}
@@ -173,16 +173,16 @@ def finish_command(src: Path, over: dict, run: Path | None = None) -> str:
     the sweep run's directory ``run``, round 2 is not trained again: ``--jf2-from run`` (:func:`adopt_round2`)."""
     import shlex
 
-    from .pipeline import load_preset, recipe_flags
+    from .presets import load_preset, recipe_flags
 
-    return shlex.join(["python", "-m", "megatron_jf.quickstart.pipeline", "--out", str(src),
+    return shlex.join(["python", "-m", "recipes.quickstart", "--out", str(src),
                        *recipe_flags(replace(load_preset(src), **over)),
                        *(["--jf2-from", str(run)] if run is not None else [])])
 
 
 def adopt_round2(run: Path, out: Path, preset, log=print) -> None:
     """Use sweep run ``run``'s round 2 (progressive distillation's second round, n=32 / w=8; paper Sec. 4.1) as work
-    directory ``out``'s ``jf2`` stage instead of training the same round 2 again (``python -m megatron_jf.quickstart.pipeline ... --jf2-from RUN``): ``run/jf2`` (every saved checkpoint,
+    directory ``out``'s ``jf2`` stage instead of training the same round 2 again (``python -m recipes.quickstart ... --jf2-from RUN``): ``run/jf2`` (every saved checkpoint,
     so the learning curve has its points) and ``run/jf2_log.jsonl`` are copied into ``out`` under temporary names and
     renamed, and the stage is marked done with the run's training time and ``adopted_from``. Doing it again with the
     same run is a no-op.
@@ -251,7 +251,7 @@ def sweep_markdown(rows: list[dict], preset) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line of ``python -m megatron_jf.quickstart.sweep``."""
+    """The command line of ``python -m recipes.quickstart.sweep``."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--from", dest="src", required=True, help="a quickstart work directory past its traj2 stage")
     ap.add_argument("--out", required=True, help="sweep directory (one sub-directory per run)")
@@ -263,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     """CLI entry point (see the module docstring)."""
-    from .pipeline import load_preset
+    from .presets import load_preset
 
     a = build_parser().parse_args(argv)
     src = Path(a.src)
