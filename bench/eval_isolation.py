@@ -9,13 +9,14 @@ extraction). Both score the reference solutions of the first ``--n`` problems of
 at a time, alternating before/after in chunks so that machine load drifts affect both alike; the figures are
 ratios measured in one run. Also prints how many reference solutions pass (should be all)::
 
-    OMP_NUM_THREADS=1 python bench/eval_isolation.py --n 40
+    OMP_NUM_THREADS=1 python -m bench.eval_isolation --n 40
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -23,7 +24,6 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 
 def load_old_package(rev: str, tmp: str):
@@ -38,7 +38,10 @@ def load_old_package(rev: str, tmp: str):
                                  text=True, check=True).stdout
             with open(os.path.join(pkg, n), "w") as f:
                 f.write(src)
-    sys.path.insert(0, tmp)
+    spec = importlib.util.spec_from_file_location("old_jf_eval", os.path.join(pkg, "__init__.py"),
+                                                  submodule_search_locations=[pkg])
+    sys.modules["old_jf_eval"] = module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     return importlib.import_module("old_jf_eval.scoring")
 
 

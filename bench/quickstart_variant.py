@@ -8,10 +8,10 @@ does: held-out NLL (nats/token), greedy distinct-2 of the evaluation prompts' co
 below 0.1 the report flags the model degenerate), Jacobi TPF at n=32 with its output checked equal to greedy AR, and
 how many of the round-1 trajectories the repetition filter would keep (``--real``'s filter; the default keeps all)::
 
-    python bench/quickstart_variant.py --out runs/variant-v1 --until prompts \\
+    python -m bench.quickstart_variant --out runs/variant-v1 --until prompts \\
         corpus=packages:httpx,uvicorn,tqdm,webdataset,prometheus_client,einops,rich,fastapi,gguf \\
         vocab_size=2048 pretrain_steps=480 pretrain_lr=0.003
-    python bench/quickstart_variant.py --out runs/quickstart-code --until prompts   # the code preset as it is
+    python -m bench.quickstart_variant --out runs/quickstart-code --until prompts   # the code preset as it is
 
 Prints one JSON line per measured checkpoint (``RESULT {...}``) and writes them to ``OUT/variant.json``. Measured
 here: ``docs/results.md`` ("Model A: base-model variants").

@@ -18,8 +18,8 @@ clients -- the mean over the mixed decoders is what serving each decoder's share
 
 Example::
 
-    python bench/serve.py                                  # tiny model, 4 decoders, 1 / 8 / 32 clients
-    python bench/serve.py --ckpt CKPT --max-tokens 128 --clients 1 8 32 --json out.json
+    python -m bench.serve                                  # tiny model, 4 decoders, 1 / 8 / 32 clients
+    python -m bench.serve --ckpt CKPT --max-tokens 128 --clients 1 8 32 --json out.json
 """
 
 from __future__ import annotations
@@ -101,7 +101,6 @@ def engine_steps(ckpt: str, cfgs: list[dict], rows: int, max_tokens: int, repeat
     """Engine-level check without HTTP: ``rows`` prompts decoded in one BatchSession, same config (each of
     ``cfgs``) vs mixed (row ``i`` uses ``cfgs[i % len(cfgs)]``), with the step split on and off; runs are
     interleaved ``repeats`` times and the median tok/s is reported (less noise than the HTTP load)."""
-    sys.path.insert(0, REPO)
     from megatron_jf import parallel
     from megatron_jf.checkpointing import load_model, tokenizer_path
     from megatron_jf.inference.engine import DecodeConfig, Engine
@@ -155,7 +154,6 @@ def main(argv=None) -> int:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONPATH=REPO)
     ckpt = args.ckpt
     if ckpt is None:
-        sys.path.insert(0, REPO)
         from megatron_jf.models.zoo import build_tiny_checkpoint
 
         ckpt = build_tiny_checkpoint(args.work)
@@ -226,7 +224,6 @@ def main(argv=None) -> int:
                   f"{mixed / (sum(same) / len(same)):.2f} x mean same-config ({per})")
         results.append({"engine": eng})
     if args.json:
-        sys.path.insert(0, REPO)
         from megatron_jf.fileio import atomic_write_json
 
         atomic_write_json(args.json, results, indent=2)

@@ -35,10 +35,10 @@ each stream is prompt + response <= ``--seq-length``; worst case, every stream f
 
 Examples::
 
-    python bench/train_memory.py --model qwen2.5-7b --tp 2 --seq-length 16384 --recompute-granularity full \\
+    python -m bench.train_memory --model qwen2.5-7b --tp 2 --seq-length 16384 --recompute-granularity full \\
         --recompute-method uniform --recompute-num-layers 1 --use-distributed-optimizer --dp 8
-    python bench/train_memory.py --script examples/train_jf_qwen7b_h200.sh     # the launch script's settings
-    python bench/train_memory.py --contrast                                      # script + no-recompute contrast
+    python -m bench.train_memory --script examples/train_jf_qwen7b_h200.sh     # the launch script's settings
+    python -m bench.train_memory --contrast                                      # script + no-recompute contrast
 
 Limits (stated, not hidden): the measurement uses the local layer spec with SDPA's flash kernel (O(s)
 memory); TE's fused norm+linear saves slightly different tensors. The dense-mask path (O(L^2) scores) is
@@ -57,7 +57,6 @@ import shlex
 import sys
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # megatron-core's config warnings about CUDA graphs / TE core_attn recompute do not apply to this CPU run
 warnings.filterwarnings("ignore", message=".*(cuda_graph_scope|core_attn is from transformer_engine).*")

@@ -22,8 +22,8 @@ live before it (CPU: the torch profiler's allocator events, :mod:`megatron_jf.tr
 
 Usage::
 
-    python bench/train_step.py                      # defaults: N=8 blocks of 16, prompt 64, batch 4, vocab 4096
-    python bench/train_step.py --threads 2 --reps 7 --hidden 512 --layers 8 --vocab 32768
+    python -m bench.train_step                      # defaults: N=8 blocks of 16, prompt 64, batch 4, vocab 4096
+    python -m bench.train_step --threads 2 --reps 7 --hidden 512 --layers 8 --vocab 32768
 
 ``--compare-precision`` times only today's step (JF two-stream, loss rows) in fp32 and in CPU mixed precision
 (fp32 master weights, forward + loss + backward under bf16 autocast, as ``pretrain_jf.py --bf16`` trains on CPU:
@@ -31,8 +31,8 @@ Usage::
 model to SmolLM2-135M's (hidden 576, 30 layers, 9 heads, 3 KV heads, FFN 1536, vocabulary 49152, tied) or the
 quickstart's model A (hidden 256, 4 layers, 8 heads, 2 KV heads, FFN 688, vocabulary 4096)::
 
-    python bench/train_step.py --compare-precision --shape smollm2 --prompt 160 --batch 2 --threads 2
-    python bench/train_step.py --compare-precision --shape model-a --prompt 64 --blocks 12 --batch 8 --threads 2
+    python -m bench.train_step --compare-precision --shape smollm2 --prompt 160 --batch 2 --threads 2
+    python -m bench.train_step --compare-precision --shape model-a --prompt 64 --blocks 12 --batch 8 --threads 2
 
 On a CPU without native bf16 (no AVX-512 BF16 / AMX) the bf16 figure is emulated and says so.
 """
@@ -40,12 +40,9 @@ On a CPU without native bf16 (no AVX-512 BF16 / AMX) the bf16 figure is emulated
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 

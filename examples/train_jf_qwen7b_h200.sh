@@ -29,7 +29,7 @@
 #   bf16 with fp32 main weights, gradient clip 1.0 ................................ code
 #
 # Memory (per GPU, TP=2, 16k-token streams worst case; measure with
-#   python bench/train_memory.py --model qwen2.5-7b --script examples/train_jf_qwen7b_h200.sh):
+#   python -m bench.train_memory --model qwen2.5-7b --script examples/train_jf_qwen7b_h200.sh):
 # without recomputation the saved activations alone are ~36*h elements per token per layer, ~133 GiB at TP=2 for
 # two 16k-token streams, more than an H200 holds next to the weights and optimizer state. Full recomputation
 # (every layer, one at a time), sequence parallelism, the distributed optimizer and the chunked loss over the

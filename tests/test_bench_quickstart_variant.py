@@ -1,18 +1,10 @@
 """bench/quickstart_variant.py: KEY=VALUE overrides become typed default-preset fields; a bad one stops in one line."""
-import importlib.util
-import os
-
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def _bench():
-    spec = importlib.util.spec_from_file_location("quickstart_variant",
-                                                  os.path.join(REPO, "bench", "quickstart_variant.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from bench import quickstart_variant
+
+    return quickstart_variant
 
 
 def test_overrides_are_typed_preset_fields():

@@ -1,4 +1,4 @@
-"""``bash bench/gpu_check.sh --dry-run`` (issue 21): the one-GPU check runs end to end on CPU at tiny sizes and prints
+"""``bash bench/gpu/check.sh --dry-run`` (issue 21): the one-GPU check runs end to end on CPU at tiny sizes and prints
 its summary table with every row, none failed. The GPU figures themselves come only from a GPU machine."""
 import os
 import subprocess
@@ -18,7 +18,7 @@ ROWS = (["versions", "sdpa bool mask + GQA", "dist-opt overlap"]
 def test_gpu_check_dry_run_prints_every_row(tmp_path):
     env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     env.pop("OUT", None)
-    proc = subprocess.run(["bash", os.path.join(REPO, "bench", "gpu_check.sh"), "--dry-run", "--work", str(tmp_path)],
+    proc = subprocess.run(["bash", os.path.join(REPO, "bench", "gpu", "check.sh"), "--dry-run", "--work", str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=850)
     out = proc.stdout
     assert "== gpu_check summary: DRY RUN on CPU" in out, (out[-3000:], proc.stderr[-3000:])
@@ -44,7 +44,7 @@ def test_gpu_check_sections_rerun_some_rows(tmp_path):
     section is refused by name."""
     env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     env.pop("OUT", None)
-    script = os.path.join(REPO, "bench", "gpu_check.sh")
+    script = os.path.join(REPO, "bench", "gpu", "check.sh")
     proc = subprocess.run(["bash", script, "--dry-run", "--work", str(tmp_path),
                            "--sections", "resume,train:dense/none"], env=env, capture_output=True, text=True,
                           timeout=600)

@@ -170,7 +170,7 @@ def test_decoders_lossless_against_ar_in_bf16(mp1, family, peaked, weights):
     bf16 autocast (the third mode ``bench/decode_precision.py`` measures; its bf16 keys and values enter the fp32
     KV cache). These models' top logits are further apart than bf16 rounding; at a near-tie a wider forward can
     round to the other token (measured on SmolLM2-135M: README "bf16 on CPU"), which no decoder rule can avoid."""
-    from megatron_jf.inference.engine import DecodeConfig, Engine
+    from megatron_jf.inference.engine import DecodeConfig, Engine, InferenceOptions
     from megatron_jf.models.convert import hf_to_mcore
     from megatron_jf.models.gpt import build_model
     from megatron_jf.models.hf_config import ModelArgs
@@ -186,7 +186,7 @@ def test_decoders_lossless_against_ar_in_bf16(mp1, family, peaked, weights):
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (1, 9, 33)]
     with autocast(torch.bfloat16 if weights == torch.float32 else None):
         for mode in ("pruned", "tree"):
-            eng = Engine(m, check_invariants=True, mr_verify=mode)
+            eng = Engine(m, check_invariants=True, options=InferenceOptions(mr_verify=mode))
             ref = [r.tokens for r in eng.generate(prompts, DecodeConfig("ar"), max_new_tokens=40)]
             for cfg in (DecodeConfig("jacobi", block_size=8), DecodeConfig("jacobi", block_size=32),
                         DecodeConfig("running-window", block_size=8),

@@ -8,12 +8,10 @@
 """
 import math
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-import train_memory as tm  # noqa: E402
+from bench import train_memory as tm
 
 TINY = tm.Arch(vocab_size=1000, hidden_size=64, intermediate_size=160, num_layers=4, num_heads=4, num_kv_heads=2,
                head_dim=16, tie_word_embeddings=False, qkv_bias=True)

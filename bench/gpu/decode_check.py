@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """GPU decode check (one H200, <= 8 min): batch-1 decode speed of a Qwen2.5-7B-shaped model against the roofline.
 
-    python bench/gpu_decode_check.py                 # on a CUDA machine: random bf16 weights built on the GPU
-    python bench/gpu_decode_check.py --dry-run       # CPU, a tiny model, a few steps: proves the script runs
+    python -m bench.gpu.decode_check                 # on a CUDA machine: random bf16 weights built on the GPU
+    python -m bench.gpu.decode_check --dry-run       # CPU, a tiny model, a few steps: proves the script runs
 
 Measures, in one run, on a Qwen2.5-7B-shaped megatron-core model (28 layers, hidden 3584, 28 heads / 4 KV
 heads, FFN 18944, vocab 152064, QKV bias, untied head) whose random bf16 weights are drawn on the GPU (nothing is
@@ -17,7 +17,7 @@ downloaded):
    live branch) relative to the Jacobi forward at the same n.
 
 Every figure is a median of timed repeats (``torch.cuda.synchronize`` around each), under ``torch.inference_mode``.
-Prints a table and, with ``--json``, writes the numbers. ``bash bench/gpu_check.sh`` (issue 21) is the one-window GPU
+Prints a table and, with ``--json``, writes the numbers. ``bash bench/gpu/check.sh`` (issue 21) is the one-window GPU
 check that also decodes with the engine; this script is the detailed decode-speed companion.
 """
 
@@ -25,12 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 QWEN25_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                  num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=1000000.0,

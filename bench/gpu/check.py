@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The GPU check (issue 21): one run on one GPU that settles what the CPU test-suite cannot, with one summary table.
 
-Run it through ``bash bench/gpu_check.sh`` (installs the carried wheels first; see there for the device command);
+Run it through ``bash bench/gpu/check.sh`` (installs the carried wheels first; see there for the device command);
 ``--dry-run`` runs the same script on CPU at tiny sizes (CI: tests/test_gpu_check.py). Rows of the summary:
 
 ``versions``
@@ -60,10 +60,7 @@ import sys
 import time
 import traceback
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "bench"))
-sys.path.insert(0, os.path.join(REPO, "tests", "dist"))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 QWEN25_05B = {
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896,
@@ -109,7 +106,7 @@ def row_names() -> list[str]:
 def write_inputs(work: str, name: str, cfg: dict, *, records: int, prompt_len: int, block_size: int,
                  num_blocks: int) -> tuple[str, str]:
     """A random model's HF config directory and synthetic trajectory shards under ``work/name``."""
-    from train_fixtures import make_record, write_shards
+    from tests.dist.train_fixtures import make_record, write_shards
 
     hf = os.path.join(work, name, "hf")
     os.makedirs(hf, exist_ok=True)
@@ -299,7 +296,7 @@ class Runner:
 
     def start(self) -> "Runner":
         self._log_f = open(self.log, "a")
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--run-jobs", self.jobs_file],
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.gpu.check", "--run-jobs", self.jobs_file],
                                      stdout=self._log_f, stderr=subprocess.STDOUT, env=self.env, cwd=REPO)
         return self
 
@@ -468,7 +465,7 @@ def decode_rows(dry: bool) -> list[tuple[str, str, str]]:
 
     import torch
 
-    from gpu_decode_check import QWEN25_7B, TINY, build_random_model
+    from bench.gpu.decode_check import QWEN25_7B, TINY, build_random_model
     from megatron_jf import parallel
 
     cuda = torch.cuda.is_available() and not dry
