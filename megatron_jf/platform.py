@@ -33,11 +33,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
-import os
 import types
 import warnings
 
 import torch
+
+from megatron_jf import env
 
 # megatron-core warns at import that it falls back to torch implementations without TE/Apex (and, from 0.17,
 # to ``logging`` without absl); on CPU that is the intended configuration, so keep the logs readable.
@@ -55,7 +56,7 @@ if not HAVE_CUDA:  # a CUDA build of torch on a machine without the driver (py31
 
 @dataclasses.dataclass(frozen=True)
 class TESwitches:
-    """The Transformer Engine code-path switches, with their environment overrides (read here and nowhere else).
+    """The Transformer Engine code-path switches, with their environment overrides (read by :mod:`megatron_jf.env`).
 
     Attributes:
         disable: behave as if TE were absent (``MEGATRON_JF_DISABLE_TE=1``): the local layer spec under ``auto``, and
@@ -73,9 +74,12 @@ class TESwitches:
 
     @classmethod
     def from_env(cls, environ=None) -> "TESwitches":
-        """The switches as the environment sets them (a variable counts when it is ``1``)."""
-        env = os.environ if environ is None else environ
-        return cls(**{field: env.get(var) == "1" for field, var in cls.ENV.items()})
+        """The switches as the environment (``environ``, default ``os.environ``) sets them (unset: off).
+
+        Raises:
+            ValueError: a value that is not a switch word (:mod:`megatron_jf.env`).
+        """
+        return cls(disable=env.disable_te(environ), arbitrary_mask=env.te_arbitrary_mask(environ))
 
 
 def _have_te() -> bool:

@@ -29,10 +29,11 @@ autograd, as for any autocast product.
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 
 import torch
+
+from megatron_jf import env
 
 __all__ = ["CPU_BF16_ENV", "CPU_FP32_ATTENTION_MAX_KEYS", "cpu_bf16_feature", "cpu_bf16_supported", "require_cpu_bf16",
            "residual_stream_dtype", "cpu_autocast_dtype", "cpu_attention_in_fp32", "CompiledOnCPU", "autocast"]
@@ -68,10 +69,14 @@ def cpu_bf16_feature(cpuinfo: str = "/proc/cpuinfo") -> str | None:
 
 def cpu_bf16_supported() -> bool:
     """True when bf16 compute is allowed on this CPU: native support (:func:`cpu_bf16_feature`), or
-    ``MEGATRON_JF_CPU_BF16=1``; ``MEGATRON_JF_CPU_BF16=0`` makes it False."""
-    env = os.environ.get(CPU_BF16_ENV, "")
-    if env in ("0", "1"):
-        return env == "1"
+    ``MEGATRON_JF_CPU_BF16=1``; ``MEGATRON_JF_CPU_BF16=0`` makes it False.
+
+    Raises:
+        ValueError: a value of the variable that is not a switch word (:mod:`megatron_jf.env`).
+    """
+    forced = env.cpu_bf16()
+    if forced is not None:
+        return forced
     return cpu_bf16_feature() is not None
 
 

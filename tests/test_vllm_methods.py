@@ -129,14 +129,18 @@ def test_proposer_needs_the_plugin_method():
 
 
 def test_untested_vllm_version_fails_with_one_clear_line(monkeypatch):
-    monkeypatch.delenv(vllm_internals.UNTESTED_OK_ENV, raising=False)
+    for name in (vllm_internals.UNTESTED_OK_ENV, "JF_VLLM_UNTESTED_OK"):
+        monkeypatch.delenv(name, raising=False)
     with pytest.raises(vllm_internals.UnsupportedVLLMError) as e:
         vllm_internals.check_version("0.33.1")
     msg = str(e.value)
     assert "\n" not in msg and "vLLM 0.33.1 is not supported" in msg
-    assert "0.32.0" in msg and "JF_VLLM_UNTESTED_OK" in msg
+    assert "0.32.0" in msg and "MEGATRON_JF_VLLM_UNTESTED_OK" in msg
     assert vllm_internals.check_version("0.32.0") == "0.32.0"
     monkeypatch.setenv(vllm_internals.UNTESTED_OK_ENV, "1")
+    assert vllm_internals.check_version("0.33.1") == "0.33.1"
+    monkeypatch.delenv(vllm_internals.UNTESTED_OK_ENV)
+    monkeypatch.setenv("JF_VLLM_UNTESTED_OK", "1")  # the earlier name, still read
     assert vllm_internals.check_version("0.33.1") == "0.33.1"
 
 

