@@ -256,13 +256,14 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--ffn", type=int, default=None, help="MLP width of the built-in model (default 3 x hidden; the "
                    "quickstart's model A: --hidden 256 --layers 4 --vocab 4096 --ffn 688)")
-    p.add_argument("--mr-verify", default="auto", choices=("auto", "tree", "pruned"),
-                   help="how the engine verifies MR candidates (megatron_jf/inference/mr_verify.py)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers greedy reference row")
     p.add_argument("--verification-costs", action="store_true",
                    help="also time one cached MR verification at equal full width")
     p.add_argument("--json", default=None, help="also write the results here")
+    from megatron_jf import cli
+
+    cli.add_inference_args(p)  # --inference-mr-verify (--mr-verify), --inference-forward, ...
     a = p.parse_args(argv)
     a.batches = [int(b) for b in a.batches.split(",")]
     systems = [s for s in a.systems.split(",") if s]
@@ -311,7 +312,7 @@ def main(argv=None):
             model = _hf_model(a.hf, dtype)
         else:
             model = _builtin_model(a.hidden, a.layers, a.vocab, a.ffn, dtype)
-        engines[dt] = Engine(model, mr_verify=a.mr_verify)
+        engines[dt] = Engine(model, options=cli.inference_options(a))
     if "bf16" in engines:
         notes.append(f"bf16 weights: native bf16 dot products ({cpu_bf16_feature() or 'CUDA'})")
     if a.load:

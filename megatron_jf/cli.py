@@ -6,6 +6,11 @@
   ``tools/search_inference_config.py`` (as grids), ``tools/generate_trajectories.py`` and
   ``tools/visualize_trajectory.py`` (block size and draft initialisation: trajectories are Jacobi's). The tools'
   default decoder is ``mr`` (:data:`DEFAULT_DECODER`).
+* **Inference forward options** (:func:`add_inference_args`): one ``--inference-*`` flag per field of
+  :class:`~megatron_jf.inference.options.InferenceOptions`, in the tools that load a model for inference
+  (``tools/generate.py``, ``tools/evaluate.py``, ``tools/run_text_generation_server.py``,
+  ``tools/search_inference_config.py``, ``tools/visualize_trajectory.py``); :func:`inference_options` builds the
+  dataclass.
 * **Spellings users already know** (:data:`TP_FLAGS` ...): Megatron-LM's (``--tensor-model-parallel-size``,
   ``--pipeline-model-parallel-size``, ``--num-tokens-to-generate``, ``--micro-batch-size``, ``--tokenizer-model``,
   ``--bf16``/``--fp16``) and vLLM's (``--tensor-parallel-size``, ``--pipeline-parallel-size``, ``--dtype``) are
@@ -73,6 +78,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 def _shown_default(action) -> str:
     d = action.default
+    if getattr(action.type, "tristate", False):
+        return {None: "auto", True: "on", False: "off"}.get(d, str(d))
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)) \
             and isinstance(d, bool):
         return "on" if d else "off"
@@ -235,36 +242,37 @@ def add_load_arg(p, *, required: bool = True, help: str | None = None) -> None:
 
 
 # ------------------------------------------------------------------------------------ inference forward options
-_CUDA_GRAPHS = {"auto": None, "on": True, "off": False}
+#: The prefix of the inference forward's flags (``--inference-forward``, ...) and of their ``dest`` names.
+INFERENCE_PREFIX = "inference-"
 
 
-def add_inference_args(p) -> None:
-    """The inference forward's switches as flags (``--inference-forward``, ``--mr-verify``, ``--lean-gemv``,
-    ``--cuda-graphs``): the :class:`~megatron_jf.inference.engine.Engine` fields that the ``MEGATRON_JF_*`` variables
-    of :mod:`megatron_jf.inference.options` set; a flag wins over its variable, which wins over the device's default.
-    Read them with :func:`inference_options`. They choose how the forward runs, never what is generated."""
-    from megatron_jf.inference.options import FORWARDS, GEMV_MODES, MR_VERIFY_MODES  # torch-free
+def add_inference_args(p):
+    """One ``--inference-*`` flag per field of :class:`~megatron_jf.inference.options.InferenceOptions`
+    (``--inference-forward``, ``--inference-static-decode``, ``--inference-cuda-graphs``, ``--inference-gemv``,
+    ``--inference-lean-packed``, ``--inference-mr-verify``; also the earlier spellings ``--cuda-graphs``,
+    ``--lean-gemv``, ``--mr-verify``), in a group, generated from the dataclass (help from its field docstrings).
+    Every flag defaults to ``auto``: the ``MEGATRON_JF_*`` variable, else the device's choice. Read them with
+    :func:`inference_options`.
 
-    g = p.add_argument_group("inference forward (default: the MEGATRON_JF_* variable, else the device's choice; "
-                             "never changes the output)")
-    g.add_argument("--inference-forward", choices=FORWARDS, default="auto",
-                   help="the decode forward: lean (this project's, over the model's weights), static (static shapes, "
-                        "CUDA graphs on a GPU), megatron (megatron-core's own); auto: static on CUDA, else lean")
-    g.add_argument("--mr-verify", choices=MR_VERIFY_MODES, default="auto",
-                   help="how MR verifies recycled candidates: tree (one forward with a tree mask) or pruned (two "
-                        "passes); auto: tree on CUDA, pruned on CPU")
-    g.add_argument("--lean-gemv", choices=GEMV_MODES, default=None,
-                   help="CPU copies of the weights for one-row products: all, out (output layer only) or none; "
-                        "none given: all up to 4 GiB of weights, else out")
-    g.add_argument("--cuda-graphs", choices=tuple(_CUDA_GRAPHS), default="auto",
-                   help="replay the static path's CUDA graphs (auto: on a GPU)")
+    Returns:
+        The argument group.
+    """
+    from megatron_jf.inference.options import InferenceOptions  # torch-free
+
+    g = p.add_argument_group("inference forward (auto: the MEGATRON_JF_* variable, else the device's choice; never "
+                             "changes the output)")
+    add_dataclass_arguments(g, InferenceOptions, prefix=INFERENCE_PREFIX)
+    return g
 
 
-def inference_options(args) -> dict:
-    """:func:`add_inference_args`' values as :class:`~megatron_jf.inference.engine.Engine` keywords
-    (``forward``, ``mr_verify``, ``gemv``, ``cuda_graphs``), for :meth:`megatron_jf.inference.llm.LLM.from_checkpoint`."""
-    return {"forward": args.inference_forward, "mr_verify": args.mr_verify, "gemv": args.lean_gemv,
-            "cuda_graphs": _CUDA_GRAPHS[args.cuda_graphs]}
+def inference_options(args):
+    """The :class:`~megatron_jf.inference.options.InferenceOptions` of parsed :func:`add_inference_args` flags, for
+    ``Engine(options=...)`` and :meth:`megatron_jf.inference.llm.LLM.from_checkpoint`."""
+    from megatron_jf.inference.options import InferenceOptions
+
+    dest = INFERENCE_PREFIX.replace("-", "_")
+    return InferenceOptions(**{f.name: getattr(args, dest + f.name) for f in dataclasses.fields(InferenceOptions)
+                               if hasattr(args, dest + f.name)})
 
 
 # ----------------------------------------------------------------------------------------------- decoder options
@@ -392,8 +400,9 @@ def cli_field(default=dataclasses.MISSING, *aliases: str, default_factory=datacl
     Args:
         default / default_factory: as :func:`dataclasses.field`.
         aliases: more option strings for the field's flag (Megatron-LM's or vLLM's spelling).
-        argparse_kw: passed to ``add_argument`` (``choices``, ``required``, ``metavar``, ``nargs``, ``type``), and
-            ``const_aliases={"--bf16": "bf16"}``: switches that set the field to a value.
+        argparse_kw: passed to ``add_argument`` (``choices``, ``required``, ``metavar``, ``nargs``, ``type``),
+            ``const_aliases={"--bf16": "bf16"}``: switches that set the field to a value, and ``tristate=True``: a
+            ``bool | None`` field whose flag takes ``auto`` (None), ``on`` or ``off`` (:func:`tristate`).
     """
     kw = {} if default_factory is dataclasses.MISSING else {"default_factory": default_factory}
     if default is not dataclasses.MISSING:
@@ -423,7 +432,8 @@ def add_dataclass_arguments(group, cls, *, only: typing.Sequence[str] | None = N
                             choices: typing.Mapping[str, typing.Sequence] | None = None,
                             defaults: typing.Mapping[str, object] | None = None,
                             grids: typing.Mapping[str, typing.Sequence] | None = None,
-                            groups: typing.Sequence[tuple[str, str]] | None = None) -> dict[str, argparse.Action]:
+                            groups: typing.Sequence[tuple[str, str]] | None = None,
+                            prefix: str = "") -> dict[str, argparse.Action]:
     """Add one flag per field of dataclass ``cls`` (``dest`` = the field name), as Megatron-LM's
     ``ArgumentGroupFactory`` does: the type from the annotation (``int``/``float``/``str``; ``bool`` ->
     ``--x/--no-x``; ``list[T]`` -> one or more values), the default from the field (or ``defaults``), the help
@@ -436,6 +446,8 @@ def add_dataclass_arguments(group, cls, *, only: typing.Sequence[str] | None = N
         defaults: ``{field: default}`` overriding the dataclass's.
         grids: ``{field: default values}`` for fields taking a comma-separated list (a grid of values).
         groups: ``[(first field, title), ...]``: a new argument group of ``group`` starts at each named field.
+        prefix: put before every flag and ``dest`` (``inference-``: ``--inference-forward``, ``dest``
+            ``inference_forward``); aliases are kept as written.
 
     Returns:
         ``{field: action}``.
@@ -465,15 +477,17 @@ def add_dataclass_arguments(group, cls, *, only: typing.Sequence[str] | None = N
             default = None
         default = (defaults or {}).get(f.name, default)
         kind, is_list, _ = _kind(f.type, module)
-        kw: dict = {"dest": f.name, "default": default, "help": help_text(doc, module)}
+        kw: dict = {"dest": prefix.replace("-", "_") + f.name, "default": default, "help": help_text(doc, module)}
         allowed = meta.pop("choices", None) or (choices or {}).get(f.name)
         if kind is int and meta.pop("positive", False):
             kind = positive_int
         if allowed is not None:
             kind = one_of(f.name.replace("_", " "), allowed)
             kw["metavar"] = "{" + ",".join(map(str, allowed)) + "}"
-        opts = [flag_name(f.name), *aliases]
-        if f.name in (grids or {}):
+        opts = [flag_name(prefix + f.name), *aliases]
+        if meta.pop("tristate", False):
+            kw.update(type=tristate, metavar="{auto,on,off}")
+        elif f.name in (grids or {}):
             if not opts[0].endswith("s"):
                 opts.append(opts[0] + "s")  # --block-sizes: the plural reads as a grid
             kw.update(type=comma_list(kind), default=list(grids[f.name]),
@@ -489,7 +503,7 @@ def add_dataclass_arguments(group, cls, *, only: typing.Sequence[str] | None = N
             kw.pop("default", None)
         actions[f.name] = target.add_argument(*opts, **kw)
         for flag, const in const_aliases.items():  # --bf16 = --precision bf16 (Megatron-LM's switch)
-            target.add_argument(flag, dest=f.name, action="store_const", const=const, default=argparse.SUPPRESS,
+            target.add_argument(flag, dest=kw["dest"], action="store_const", const=const, default=argparse.SUPPRESS,
                                 help=f"the spelling of {opts[0]} {const} Megatron-LM users know (default: off: "
                                      f"{opts[0]}'s default)")
     return actions
@@ -506,6 +520,17 @@ def one_of(label: str, allowed: typing.Sequence):
         return text
     parse.__name__ = label
     return parse
+
+
+def tristate(text: str) -> bool | None:
+    """argparse type: ``auto`` -> None, ``on`` -> True, ``off`` -> False."""
+    v = {"auto": None, "on": True, "off": False}
+    if text not in v:
+        raise argparse.ArgumentTypeError(f"expected auto, on or off, got {text!r}")
+    return v[text]
+
+
+tristate.tristate = True
 
 
 def parse_or_status(p: argparse.ArgumentParser, argv=None) -> tuple[argparse.Namespace | None, int]:

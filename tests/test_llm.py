@@ -80,24 +80,24 @@ def test_load_mistakes_are_named(tiny, tmp_path):
 
 
 def test_inference_flags_reach_the_engine_and_change_no_output(tiny):
-    """``--inference-forward`` / ``--mr-verify`` / ``--lean-gemv`` / ``--cuda-graphs`` (every inference command's
-    flag group) become the Engine's runner options; megatron-core's forward with tree verification and no one-row
-    weight copies generates what the defaults (lean forward, pruned verification) generate."""
+    """The ``--inference-*`` flags (every inference command's flag group) become the Engine's
+    :class:`InferenceOptions`; megatron-core's forward with tree verification and no one-row weight copies generates
+    what the defaults (lean forward, pruned verification) generate."""
     import argparse
 
     from megatron_jf import cli
     from megatron_jf.inference.llm import LLM
+    from megatron_jf.inference.options import InferenceOptions
 
     _, ck = tiny
     p = argparse.ArgumentParser()
     cli.add_inference_args(p)
-    assert cli.inference_options(p.parse_args([])) == {"forward": "auto", "mr_verify": "auto", "gemv": None,
-                                                       "cuda_graphs": None}
-    opts = cli.inference_options(p.parse_args(["--inference-forward", "megatron", "--mr-verify", "tree",
-                                               "--lean-gemv", "none", "--cuda-graphs", "off"]))
-    llm, default = LLM.from_checkpoint(ck, **opts), LLM.from_checkpoint(ck)
-    assert llm.engine.runner_options == {"forward": "megatron", "mr_verify": "tree", "gemv": "none",
-                                         "cuda_graphs": False}
+    assert cli.inference_options(p.parse_args([])) == InferenceOptions()
+    opts = cli.inference_options(p.parse_args(["--inference-forward", "megatron", "--inference-mr-verify", "tree",
+                                               "--inference-gemv", "none", "--inference-cuda-graphs", "off"]))
+    llm, default = LLM.from_checkpoint(ck, options=opts), LLM.from_checkpoint(ck)
+    assert llm.engine.options == InferenceOptions(forward="megatron", mr_verify="tree", gemv="none",
+                                                  cuda_graphs=False)
     assert llm.engine.mr_verify == "tree" and default.engine.mr_verify == "pruned"  # CPU's default
     with pytest.raises(SystemExit):
         p.parse_args(["--inference-forward", "fast"])

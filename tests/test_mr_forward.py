@@ -180,11 +180,12 @@ def test_mr_engine_pruned_equals_tree_and_ar(model):
     """MR decoding with recycled candidates: pruned and tree verification give AR's greedy output, and the same
     tokens and per-forward acceptances when sampling with a seed (batch 1 and a batch of 3)."""
     from megatron_jf.inference import mr_verify
-    from megatron_jf.inference.engine import DecodeConfig, Engine
+    from megatron_jf.inference.engine import DecodeConfig, Engine, InferenceOptions
     from megatron_jf.inference.sampling import SamplingParams
 
     prompts = [[5, 9, 5, 9, 5, 9, 3, 5, 9, 5], [1, 2, 3, 1, 2, 3, 1, 2], [7, 7, 7, 8, 7, 7, 7, 8, 7]]
-    engines = {m: Engine(model, check_invariants=True, mr_verify=m) for m in ("pruned", "tree")}
+    engines = {m: Engine(model, check_invariants=True, options=InferenceOptions(mr_verify=m))
+               for m in ("pruned", "tree")}
     passes = []
     orig = mr_verify.pruned_second_pass
 

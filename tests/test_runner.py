@@ -64,6 +64,7 @@ def test_a_session_keeps_a_bounded_number_of_static_decoders(model, monkeypatch)
 
 def test_forward_is_a_constructor_field_with_environment_overrides(model, monkeypatch):
     from megatron_jf.inference.engine import DecodeConfig, Engine
+    from megatron_jf.inference.options import InferenceOptions as IO
     from megatron_jf.inference.runner import ModelRunner
 
     for var in ("MEGATRON_JF_LEAN_FORWARD", "MEGATRON_JF_STATIC_DECODE", "MEGATRON_JF_MR_VERIFY"):
@@ -72,21 +73,63 @@ def test_forward_is_a_constructor_field_with_environment_overrides(model, monkey
     assert ModelRunner(model, 1, 8).mr_verify == "pruned"
     monkeypatch.setenv("MEGATRON_JF_STATIC_DECODE", "force")
     assert ModelRunner(model, 1, 8).impl == "static"
-    assert ModelRunner(model, 1, 8, forward="lean").impl == "lean"  # the argument wins over the variable
+    assert ModelRunner(model, 1, 8, options=IO(forward="lean")).impl == "lean"  # the argument wins over the variable
+    assert ModelRunner(model, 1, 8, options=IO(static_decode=False)).impl == "lean"
     monkeypatch.setenv("MEGATRON_JF_LEAN_FORWARD", "0")
     assert ModelRunner(model, 1, 8).impl == "megatron"
     monkeypatch.setenv("MEGATRON_JF_MR_VERIFY", "tree")
-    assert ModelRunner(model, 1, 8).mr_verify == "tree" and ModelRunner(model, 1, 8, mr_verify="pruned").mr_verify == "pruned"
+    assert ModelRunner(model, 1, 8).mr_verify == "tree"
+    assert ModelRunner(model, 1, 8, options=IO(mr_verify="pruned")).mr_verify == "pruned"
     with pytest.raises(ValueError, match="unknown forward impl 'fast'"):
-        Engine(model, forward="fast")
-    with pytest.raises(ValueError, match="MEGATRON_JF_LEAN_GEMV must be all, out or none"):
-        Engine(model, gemv="some")
+        IO(forward="fast")
+    with pytest.raises(ValueError, match="unknown gemv mode 'some'"):
+        IO(gemv="some")
+    monkeypatch.setenv("MEGATRON_JF_LEAN_GEMV", "some")
+    with pytest.raises(ValueError, match="MEGATRON_JF_LEAN_GEMV must be all, out or none, got 'some'"):
+        Engine(model)
+    monkeypatch.delenv("MEGATRON_JF_LEAN_GEMV")
     monkeypatch.delenv("MEGATRON_JF_LEAN_FORWARD")
     monkeypatch.delenv("MEGATRON_JF_STATIC_DECODE")
     p, cfg = [[3, 1, 4, 1, 5, 9, 2, 6]], DecodeConfig("mr", block_size=4, num_blocks=2, spawn_threshold=0.5)
-    outs = {f: Engine(model, forward=f, check_invariants=True).generate(p, cfg, max_new_tokens=20)[0].tokens
+    outs = {f: Engine(model, options=IO(forward=f), check_invariants=True).generate(p, cfg, max_new_tokens=20)[0].tokens
             for f in ("megatron", "lean", "static")}
     assert outs["megatron"] == outs["lean"] == outs["static"]
+
+
+def test_engine_takes_inference_options_on_cpu(model, monkeypatch):
+    """``Engine(model, options=...)``: the explicit field wins over the variable, the variable over CPU's default."""
+    from megatron_jf.inference.engine import Engine
+    from megatron_jf.inference.options import InferenceOptions
+
+    for var in ("MEGATRON_JF_LEAN_FORWARD", "MEGATRON_JF_STATIC_DECODE", "MEGATRON_JF_MR_VERIFY"):
+        monkeypatch.delenv(var, raising=False)
+    assert Engine(model).mr_verify == "pruned" and Engine(model).options == InferenceOptions()
+    monkeypatch.setenv("MEGATRON_JF_MR_VERIFY", "tree")
+    assert Engine(model).mr_verify == "tree"
+    eng = Engine(model, options=InferenceOptions(mr_verify="pruned"))
+    assert eng.mr_verify == "pruned"
+    sess = eng.open_batch(1)
+    assert sess.runner.mr_verify == "pruned" and sess.runner.impl == "lean" and sess.runner.cuda_graphs is False
+    monkeypatch.setenv("MEGATRON_JF_STATIC_DECODE", "force")
+    assert eng.open_batch(1).runner.impl == "static"
+    assert Engine(model, options=InferenceOptions(static_decode=False)).open_batch(1).runner.impl == "lean"
+
+
+def test_gemv_and_packing_set_explicitly_stay_on_the_lean_forward(model):
+    """``InferenceOptions(gemv=..., lean_packed=...)`` set the model's lean forward's weight copies and packing; auto
+    leaves them as they are."""
+    from megatron_jf.inference.lean_forward import _onednn_packing_works
+    from megatron_jf.inference.options import InferenceOptions as IO
+    from megatron_jf.inference.runner import ModelRunner
+
+    lean = ModelRunner(model, 1, 8, options=IO(forward="lean", gemv="none", lean_packed=False)).lean
+    assert lean.gemv_transposed == set() and lean.packed is False
+    again = ModelRunner(model, 1, 8, options=IO(forward="lean"))._lean()
+    assert again is lean and lean.gemv_transposed == set() and lean.packed is False
+    ModelRunner(model, 1, 8, options=IO(forward="lean", gemv="out", lean_packed=True))
+    assert lean.gemv_transposed == {"out"} and lean.packed is _onednn_packing_works()
+    ModelRunner(model, 1, 8, options=IO(forward="lean", gemv="all"))
+    assert "qkv0" in lean.gemv_transposed
 
 
 def test_prefill_clock_waits_for_the_device(model, monkeypatch):
@@ -104,16 +147,17 @@ def test_prefill_clock_waits_for_the_device(model, monkeypatch):
 def test_prefill_one_by_one_or_padded_fills_the_same_cache(model, together):
     """Ragged prompts prefilled each alone (CPU) or as one padded batch (accelerators): each row's committed keys and
     values equal a prefill of that prompt alone, and nothing is written past its length."""
+    from megatron_jf.inference.options import InferenceOptions
     from megatron_jf.inference.runner import ModelRunner
 
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (7, 3, 11, 1)]
-    r = ModelRunner(model, 4, 16, forward="lean")
+    r = ModelRunner(model, 4, 16, options=InferenceOptions(forward="lean"))
     r.prefill_together = together
     r.prefill(prompts, 0)
     assert r.cache.lengths.tolist() == [6, 2, 10, 0]
     for i, p in enumerate(prompts):
-        alone = ModelRunner(model, 1, 16, forward="lean")
+        alone = ModelRunner(model, 1, 16, options=InferenceOptions(forward="lean"))
         alone.prefill([p], 0)
         L = len(p) - 1
         torch.testing.assert_close(r.cache.k[:, i, :, :L], alone.cache.k[:, 0, :, :L], rtol=1e-5, atol=1e-6)

@@ -191,14 +191,18 @@ def test_every_offered_training_choice_is_valid(flag, values):
         parse_config(base + extra)
 
 
-@pytest.mark.parametrize("name", DECODER_TOOLS)
+@pytest.mark.parametrize("name", DECODER_TOOLS + ("visualize_trajectory",))
 def test_inference_forward_flags_in_every_inference_command(name):
-    """The inference forward's switches (``MEGATRON_JF_*`` variables until now) are one flag group in every inference
-    command, with the same defaults (the device's choice) and spellings."""
+    """The inference forward's switches are one ``--inference-*`` flag group in every command that loads a model for
+    inference, with the same defaults (auto: the variable, else the device's choice) and spellings (the earlier
+    ``--mr-verify``, ``--lean-gemv``, ``--cuda-graphs`` too)."""
     from megatron_jf.cli import inference_options
+    from megatron_jf.inference.options import InferenceOptions
 
-    assert inference_options(_parser(name).parse_args(REQUIRED[name])) == {
-        "forward": "auto", "mr_verify": "auto", "gemv": None, "cuda_graphs": None}
+    assert inference_options(_parser(name).parse_args(REQUIRED[name])) == InferenceOptions()
     a = _parser(name).parse_args(REQUIRED[name] + ["--inference-forward", "lean", "--mr-verify", "pruned",
-                                                   "--lean-gemv", "out", "--cuda-graphs", "on"])
-    assert inference_options(a) == {"forward": "lean", "mr_verify": "pruned", "gemv": "out", "cuda_graphs": True}
+                                                   "--lean-gemv", "out", "--cuda-graphs", "on",
+                                                   "--inference-static-decode", "off",
+                                                   "--inference-lean-packed", "off"])
+    assert inference_options(a) == InferenceOptions(forward="lean", mr_verify="pruned", gemv="out", cuda_graphs=True,
+                                                    static_decode=False, lean_packed=False)

@@ -87,7 +87,7 @@ def main(argv=None):
     try:
         cfg, sp = decode_config(a), sampling_params(a)
         llm = LLM.from_checkpoint(a.load, tokenizer=a.tokenizer, tp=a.tp, seed=a.seed, params_dtype=a.params_dtype,
-                                  **cli.inference_options(a))
+                                  options=cli.inference_options(a))
         tok = llm.tokenizer
         texts = [tok.apply_chat_template([{"role": "user", "content": x}]) if a.chat else x for x in prompts]
         res = llm.generate(texts, cfg, max_new_tokens=a.max_new_tokens, sampling=sp, stop_strings=tuple(a.stop))

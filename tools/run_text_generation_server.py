@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     try:  # a damaged checkpoint names its file (CheckpointFileError); --max-model-len beyond the model's window
         llm = LLM.from_checkpoint(args.load, tokenizer=args.tokenizer, tp=args.tp, seed=args.seed,
                                   params_dtype=args.params_dtype, max_context=args.max_model_len,
-                                  **cli.inference_options(args))
+                                  options=cli.inference_options(args))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -222,7 +222,8 @@ def main(argv=None) -> int:
         if a.benchmark not in (None, "humaneval", "mbpp", "gsm8k", "math", "math500") and not a.data:
             raise HarnessError(f"unknown benchmark {a.benchmark!r}")
         decode_config_from(a.decoder, draft_init=a.draft_init, ngram_pool_size=a.ngram_pool_size)
-        lm = LLM.from_checkpoint(a.load, tokenizer=a.tokenizer, threads=a.threads, **cli.inference_options(a))
+        lm = LLM.from_checkpoint(a.load, tokenizer=a.tokenizer, threads=a.threads,
+                                 options=cli.inference_options(a))
         problems = load_benchmark(a.benchmark, limit=a.limit, data_path=a.data)
         if not problems:
             raise HarnessError("empty prompt set")

@@ -167,8 +167,9 @@ def render_png(rows: Sequence[dict], path: str, *, token_text: Callable[[int], s
 
 
 def live_trajectory(load: str, prompt: str, *, block_size: int = 16, max_new_tokens: int = 64, chat: bool = False,
-                    tokenizer: Optional[str] = None, draft_init: str = "context", seed: int = 1234):
-    """Run the ``jacobi`` decoder with ``record_trajectory=True`` on one prompt.
+                    tokenizer: Optional[str] = None, draft_init: str = "context", seed: int = 1234, options=None):
+    """Run the ``jacobi`` decoder with ``record_trajectory=True`` on one prompt (``options``: the engine's
+    :class:`~megatron_jf.inference.options.InferenceOptions`; None: every field auto).
 
     Returns:
         ``(blocks, tokenizer, prompt_text, GenerationResult)``.
@@ -179,7 +180,7 @@ def live_trajectory(load: str, prompt: str, *, block_size: int = 16, max_new_tok
     from megatron_jf.eval.harness import decode_config_from
     from megatron_jf.inference.llm import LLM
 
-    lm = LLM.from_checkpoint(load, tokenizer=tokenizer, seed=seed)
+    lm = LLM.from_checkpoint(load, tokenizer=tokenizer, seed=seed, options=options)
     text = lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
     cfg = decode_config_from("jacobi", block_size=block_size, draft_init=draft_init)
     res = lm.generate([text], cfg, max_new_tokens=max_new_tokens, record_trajectory=True)[0]
@@ -219,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "mismatch that is highlighted as stationary")
     p.add_argument("--max-png-rows", type=int, default=200, help="most iteration rows drawn in the PNG")
     p.add_argument("--out", required=True, help="output prefix (writes PREFIX.html and PREFIX.png)")
+    cli.add_inference_args(p)
     return p
 
 
@@ -261,7 +263,8 @@ def main(argv=None) -> int:
             check_load_dir(a.load)
             blocks, tok, ptext, res = live_trajectory(a.load, a.prompt, block_size=a.block_size,
                                                       max_new_tokens=a.max_new_tokens, chat=a.chat,
-                                                      tokenizer=a.tokenizer, draft_init=a.draft_init)
+                                                      tokenizer=a.tokenizer, draft_init=a.draft_init,
+                                                      options=cli.inference_options(a))
             title = f"live jacobi n={a.block_size}: {len(res.tokens)} tokens in {res.forwards} forwards"
         info = visualize(blocks, a.out, tokenizer=tok, min_run=a.min_run, title=title, prompt_text=ptext,
                          max_png_rows=a.max_png_rows)

@@ -30,6 +30,7 @@ from __future__ import annotations
 from megatron_jf.fileio import atomic_write_bytes, atomic_write_text  # noqa: F401  (re-exported)
 from megatron_jf.inference.metrics import percentile  # noqa: F401  (re-exported)
 from megatron_jf.inference.llm import LLM
+from megatron_jf.inference.options import InferenceOptions
 from megatron_jf.load_errors import CheckpointNotFound, TokenizerNotFound  # noqa: F401  (re-exported)
 
 import hashlib
@@ -150,8 +151,8 @@ class EvalConfig:
             (:mod:`megatron_jf.eval.hf_baseline`).
         params_dtype: ``"bf16"`` / ``"fp16"`` weights (``--bf16``: outputs differ from fp32 ones; lossless means
             equal to greedy AR in the same precision); None: the platform default (fp32 on CPU).
-        inference: the inference forward's :class:`~megatron_jf.inference.engine.Engine` options (``forward``,
-            ``mr_verify``, ``gemv``, ``cuda_graphs``; :func:`megatron_jf.cli.inference_options`); empty: defaults.
+        inference: the inference forward's :class:`~megatron_jf.inference.options.InferenceOptions`
+            (:func:`megatron_jf.cli.inference_options`); None: every field auto.
             They change how the forward runs, not the results (not part of the resume key).
     """
 
@@ -178,7 +179,7 @@ class EvalConfig:
     progress: bool = True
     hf_baseline: bool = True
     params_dtype: Optional[str] = None
-    inference: dict = field(default_factory=dict)
+    inference: Optional[InferenceOptions] = None
 
     def validate(self) -> None:
         """Check names and ranges before anything heavy is loaded.
@@ -385,7 +386,7 @@ def run_evaluation(cfg: EvalConfig, *, loaded: Optional[LLM] = None,
     ar_cfg = decode_config_from("ar")
     if loaded is None:
         loaded = LLM.from_checkpoint(cfg.load, tokenizer=cfg.tokenizer, tp=cfg.tp, seed=cfg.seed,
-                                     threads=cfg.threads, params_dtype=cfg.params_dtype, **cfg.inference)
+                                     threads=cfg.threads, params_dtype=cfg.params_dtype, options=cfg.inference)
     elif cfg.threads:
         import torch
 

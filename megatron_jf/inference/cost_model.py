@@ -22,7 +22,7 @@ The table is written atomically to ``<cache dir>/forward_cost/<key>.json``, the 
 depends on -- the model's shape, parameter dtype, device (CPU model or GPU name), torch threads, forward
 implementation, tensor-parallel size and the measured context -- so a later start on the same machine reads it
 instead of measuring (``MEGATRON_JF_COST_CACHE``: the directory, or ``0`` for no file;
-:func:`megatron_jf.inference.options.cost_cache_dir`). Under tensor parallelism every rank times the same forwards
+:func:`megatron_jf.env.cost_cache_dir`). Under tensor parallelism every rank times the same forwards
 and the slowest rank's time is kept, so all ranks choose the same widths.
 """
 
@@ -37,8 +37,8 @@ import time
 
 import torch
 
+from megatron_jf import env
 from megatron_jf.decoding.width import ForwardCost
-from megatron_jf.inference import options
 from megatron_jf.inference.runner import ModelRunner, synchronize
 from megatron_jf.models.gpt import unwrap
 
@@ -101,7 +101,7 @@ def cost_key(model, impl: str) -> dict:
 
 def cache_file(key: dict) -> str | None:
     """The cache file of ``key`` (None when caching is off)."""
-    root = options.cost_cache_dir()
+    root = env.cost_cache_dir()
     if root is None:
         return None
     h = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
@@ -337,7 +337,7 @@ def measure_rows(runner, rows: int, max_tokens: int, *, context: int = CONTEXT, 
     return times
 
 
-def ensure_cost(model, cost: ForwardCost | None, rows: int, max_tokens: int, runner_options: dict) -> ForwardCost:
+def ensure_cost(model, cost: ForwardCost | None, rows: int, max_tokens: int, options) -> ForwardCost:
     """A cost table covering ``rows`` rows (up to the largest of :data:`ROWS`): ``cost`` if it does, else the cached
     table merged with it, measured now (and cached) for the row counts of :data:`ROWS` below ``rows`` and ``rows``
     itself that lie above the largest row count known (those below it are interpolated).
@@ -346,7 +346,7 @@ def ensure_cost(model, cost: ForwardCost | None, rows: int, max_tokens: int, run
         cost: the table the engine holds (or None; one measured at another torch thread count is not used: the
             table of this thread count is read from the cache or measured).
         rows: rows of the batch about to decode; max_tokens: the widest forward per row it allows.
-        runner_options: the engine's :class:`~megatron_jf.inference.runner.ModelRunner` fields.
+        options: the engine's :class:`~megatron_jf.inference.options.InferenceOptions`.
     """
     want = sorted({b for b in ROWS if b < rows} | {min(rows, ROWS[-1])})
     threads = torch.get_num_threads()
@@ -354,7 +354,7 @@ def ensure_cost(model, cost: ForwardCost | None, rows: int, max_tokens: int, run
         cost = None  # measured at another torch thread count (a timing run at 1 thread after a batched one at 2)
     if cost is not None and max(cost.rows) >= want[-1]:
         return cost
-    probe = ModelRunner(model, 1, 2, **runner_options)  # resolves the forward implementation
+    probe = ModelRunner(model, 1, 2, options=options)  # resolves the forward implementation
     key = cost_key(model, probe.impl)
     path = cache_file(key)
     cached = _load(path, key)
@@ -374,7 +374,7 @@ def ensure_cost(model, cost: ForwardCost | None, rows: int, max_tokens: int, run
         if cached is None or set(points) != set(cached.rows) or cached.about != about:
             _store(path, out)
         return out
-    runner = ModelRunner(model, max(missing), CONTEXT + max_tokens + 1, **runner_options)
+    runner = ModelRunner(model, max(missing), CONTEXT + max_tokens + 1, options=options)
     if not points:  # the packing choices are measured before the table: the table times the forward as it runs
         about.update(calibrate_packing(runner, max_tokens) or {})
     _apply_packing(runner, about)

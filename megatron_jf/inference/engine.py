@@ -41,7 +41,7 @@ leave when finished or removed; :meth:`Engine.generate` is one session stepped t
 Layout (nano-vllm style): the drafting rules are engine-independent policies (:mod:`megatron_jf.decoding`); a
 batch is a :class:`~megatron_jf.inference.slots.SlotTable` (KV rows, admission, compaction, swaps), a
 :class:`~megatron_jf.inference.runner.ModelRunner` (KV cache, tensor assembly, prefill, forwards; the forward
-implementation a constructor field, environment overrides in :mod:`~megatron_jf.inference.options`) and the step
+implementation and its switches an :class:`~megatron_jf.inference.options.InferenceOptions`) and the step
 (:mod:`~megatron_jf.inference.session`). Every request ends in one
 :class:`~megatron_jf.inference.results.GenerationResult`.
 """
@@ -52,13 +52,15 @@ import torch
 
 from megatron_jf.decoding import DECODERS, DRAFT_INITS, DecodeConfig, forward_width
 from megatron_jf.decoding.width import ForwardCost, StepCalibration
-from megatron_jf.inference import cost_model, options
+from megatron_jf.inference import cost_model
+from megatron_jf.inference.options import InferenceOptions, gemv_mode, mr_verify_mode
 from megatron_jf.inference.results import GenerationResult
 from megatron_jf.inference.sampling import SamplingParams
 from megatron_jf.inference.session import BatchSession
 from megatron_jf.models.gpt import unwrap
 
-__all__ = ["DECODERS", "DRAFT_INITS", "BatchSession", "DecodeConfig", "Engine", "GenerationResult", "forward_width"]
+__all__ = ["DECODERS", "DRAFT_INITS", "BatchSession", "DecodeConfig", "Engine", "GenerationResult", "InferenceOptions",
+           "forward_width"]
 
 
 class Engine:
@@ -69,33 +71,32 @@ class Engine:
             parallelism every rank runs the same calls (same prompts and seeds): logits are gathered,
             so all ranks make the same decisions.
         max_context: the model's context window (prompt + output), tokens.
-        mr_verify: how MR verifies recycled candidates: ``tree`` (one forward), ``pruned`` (main chain, then
-            only the candidates that can still win) or ``auto`` (``MEGATRON_JF_MR_VERIFY``, else pruned on CPU,
-            tree on CUDA); see :mod:`megatron_jf.inference.mr_verify`. Output is the same either way.
-        forward, gemv, cuda_graphs: the forward implementation and its switches
-            (:class:`~megatron_jf.inference.runner.ModelRunner`; environment overrides in
-            :mod:`megatron_jf.inference.options`).
+        options: the forward implementation and its switches, MR's verification mode among them
+            (:class:`~megatron_jf.inference.options.InferenceOptions`; None: every field auto). Output is the same
+            whichever they are.
         forward_cost: the cost table ``draft_width="auto"`` rows choose their widths by
             (:class:`~megatron_jf.decoding.width.ForwardCost`; used as given, never measured); None: measured on
             this machine when first needed, or read from the cache (:meth:`forward_cost`).
 
+    Attributes:
+        options: the :class:`~megatron_jf.inference.options.InferenceOptions` every runner is built with.
+        mr_verify: ``tree`` or ``pruned``, as resolved at construction (a runner resolves it again).
+
     Raises:
-        ValueError: an unknown ``mr_verify``, ``forward`` or ``gemv``.
+        ValueError: a bad ``MEGATRON_JF_MR_VERIFY`` or ``MEGATRON_JF_LEAN_GEMV`` value.
     """
 
-    def __init__(self, model, max_context: int | None = None, check_invariants: bool = False,
-                 mr_verify: str = "auto", *, forward: str = "auto", gemv: str | None = None,
-                 cuda_graphs: bool | None = None, forward_cost: ForwardCost | None = None):
+    def __init__(self, model, max_context: int | None = None, check_invariants: bool = False, *,
+                 options: InferenceOptions | None = None, forward_cost: ForwardCost | None = None):
         self.model = model
         self.check_invariants = check_invariants  # tests: assert the KV-cache length after every step
         m = unwrap(model)
         self.max_context = max_context or m.model_args.max_position_embeddings
         self.vocab_size = m.vocab_size_unpadded
         device = next(m.parameters()).device
-        self.mr_verify = options.mr_verify_mode(mr_verify, device)  # checked now; a runner resolves it again
-        options.check_forward(forward)
-        options.gemv_mode(gemv)
-        self.runner_options = dict(forward=forward, mr_verify=mr_verify, gemv=gemv, cuda_graphs=cuda_graphs)
+        self.options = InferenceOptions() if options is None else options
+        self.mr_verify = mr_verify_mode(self.options.mr_verify, device)  # checked now; a runner resolves it again
+        gemv_mode(self.options.gemv)
         self._cost, self._cost_given = forward_cost, forward_cost is not None
         # whole steps against the measured table (a table given to the constructor is taken as it is: tests)
         self.step_calibration = None if self._cost_given else StepCalibration()
@@ -105,7 +106,7 @@ class Engine:
         constructor, else read from the cache or measured now for up to ``rows`` rows and ``max_tokens`` tokens per
         row (a few seconds on a CPU; :mod:`megatron_jf.inference.cost_model`), then kept."""
         if not self._cost_given:
-            self._cost = cost_model.ensure_cost(self.model, self._cost, rows, max_tokens, self.runner_options)
+            self._cost = cost_model.ensure_cost(self.model, self._cost, rows, max_tokens, self.options)
         return self._cost
 
     # ------------------------------------------------------------------ public API

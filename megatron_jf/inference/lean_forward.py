@@ -98,7 +98,8 @@ class LeanForward:
 
     Args:
         model: an unwrapped :class:`~megatron_jf.models.gpt.JFGPTModel` for which :func:`supports` holds.
-        gemv: ``all``, ``out`` or ``none`` (see :meth:`_gemv_policy`); None: ``MEGATRON_JF_LEAN_GEMV``, else by size.
+        gemv: ``all``, ``out`` or ``none`` (see :meth:`_gemv_policy`); None or ``auto``: ``MEGATRON_JF_LEAN_GEMV``,
+            else by size.
 
     Raises:
         ValueError: the model layout is not supported, or a bad ``gemv``.
@@ -149,6 +150,11 @@ class LeanForward:
         #: whether that pays here; :data:`NEVER_PACKED`: never).
         self.packed_one_row_min = PACKED_ONE_ROW_MIN
         self._wp: dict[str, tuple] = {}
+
+    def set_packed(self, on: bool) -> None:
+        """Multi-row products through the oneDNN-packed copies (``on``, where there are transposed copies and torch's
+        oneDNN packing works) or ``F.linear``; output is the same either way, up to the products' rounding."""
+        self.packed = bool(on) and bool(self.gemv_transposed) and _onednn_packing_works()
 
     def _gemv_policy(self, mode: str | None = None) -> set[str]:
         """Weights whose single-row products use a transposed copy (``mode``, else ``MEGATRON_JF_LEAN_GEMV``).

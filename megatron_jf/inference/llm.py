@@ -50,7 +50,7 @@ class LLM:
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str, *, tokenizer: Optional[str] = None, tp: int = 1, seed: int = 1234,
                         threads: Optional[int] = None, params_dtype: Optional[str] = None,
-                        max_context: Optional[int] = None, **engine_options) -> "LLM":
+                        max_context: Optional[int] = None, options=None) -> "LLM":
         """Initialise (TP ``tp``, PP 1), load the checkpoint and its tokenizer, wrap the model in an Engine.
 
         Args:
@@ -61,16 +61,16 @@ class LLM:
             threads: ``torch.set_num_threads`` value (None: leave as is).
             params_dtype: ``"bf16"`` / ``"fp16"`` weights (``--bf16`` / ``--fp16``); None: the platform default.
             max_context: the engine's context window in tokens (None: the model's ``max_position_embeddings``).
-            **engine_options: further :class:`~megatron_jf.inference.engine.Engine` keywords (``forward``,
-                ``mr_verify``, ``gemv``, ``cuda_graphs``).
+            options: the engine's :class:`~megatron_jf.inference.options.InferenceOptions` (None: every field
+                auto; :func:`megatron_jf.cli.inference_options` builds it from the ``--inference-*`` flags).
 
         Raises:
             HFDirectoryError: ``ckpt_dir`` is a Hugging Face model directory (the message gives the conversion).
             CheckpointNotFound: ``ckpt_dir`` missing or not a checkpoint.
             TokenizerNotFound: no tokenizer in the checkpoint and none given.
             CheckpointFileError: a checkpoint file is missing, truncated or foreign.
-            ValueError: bf16 on a CPU without native bf16 (:func:`megatron_jf.cli.params_dtype`), or
-                ``max_context`` beyond the model's context window.
+            ValueError: bf16 on a CPU without native bf16 (:func:`megatron_jf.cli.params_dtype`),
+                ``max_context`` beyond the model's context window, or a bad ``MEGATRON_JF_*`` value.
         """
         from megatron_jf.load_errors import reject_hf_dir
 
@@ -108,7 +108,7 @@ class LLM:
                              f"{window}")
         tok = load_tokenizer(tok_dir)
         eos = stop_token_ids(tok, args, ckpt_dir)  # the one stop set (also the server's)
-        return cls(Engine(model, max_context=max_context, **engine_options), tok, eos, meta, ckpt_dir, args)
+        return cls(Engine(model, max_context=max_context, options=options), tok, eos, meta, ckpt_dir, args)
 
     def generate(self, prompts: list, config=None, *, max_new_tokens: int = 128, sampling=None,
                  stop_strings: tuple[str, ...] = (), eos_ids=None, **kw) -> list:

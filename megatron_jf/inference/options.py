@@ -1,90 +1,123 @@
-"""Inference switches: the fields a :class:`~megatron_jf.inference.runner.ModelRunner` is built with, and the
-``MEGATRON_JF_*`` environment variables that set a field left at its default -- the one place they are read.
+"""How the inference forward runs (never what it generates): :class:`InferenceOptions`, the choices of its fields,
+and the functions that resolve a field to its value on a device.
 
-==============================  ===============  ==========================================================
-variable                        field            meaning
-==============================  ===============  ==========================================================
-``MEGATRON_JF_LEAN_FORWARD``    ``forward``      ``0``: megatron-core's own forward instead of the lean forward
-                                                 (:mod:`~megatron_jf.inference.lean_forward`; default on where
-                                                 the model supports it); inference tools then build the
-                                                 ``auto`` layer spec instead of ``local``
-``MEGATRON_JF_STATIC_DECODE``   ``forward``      static-shape cached decode forwards
-                                                 (:mod:`~megatron_jf.inference.static_decode`): default on with
-                                                 CUDA, ``0`` off, ``force`` on any device (eager on CPU; tests)
-``MEGATRON_JF_CUDA_GRAPHS``     ``cuda_graphs``  ``0``: run the static path eagerly instead of replaying CUDA
-                                                 graphs (default: graphs on CUDA)
-``MEGATRON_JF_LEAN_GEMV``       ``gemv``         ``all`` / ``out`` / ``none``: weights with CPU copies, transposed
-                                                 for one-row products and oneDNN-packed for multi-row ones
-                                                 (default ``all`` up to 4 GiB of weights, else ``out``)
-``MEGATRON_JF_LEAN_PACKED``     (the forward)    ``0``: multi-row products through ``F.linear`` instead of the
-                                                 oneDNN-packed copies (default on where torch has oneDNN)
-``MEGATRON_JF_MR_VERIFY``       ``mr_verify``    ``tree`` / ``pruned``: how MR verifies recycled candidates
-                                                 (:mod:`~megatron_jf.inference.mr_verify`; default pruned on
-                                                 CPU, tree on CUDA)
-``MEGATRON_JF_COST_CACHE``      (the engine)     where measured forward costs are kept
-                                                 (:mod:`~megatron_jf.inference.cost_model`; default
-                                                 ``$XDG_CACHE_HOME/megatron_jf``, else ``~/.cache/megatron_jf``);
-                                                 ``0``: measure at every start, keep nothing
-==============================  ===============  ==========================================================
+Each field resolves the same way: an explicit value wins; a field left at ``auto`` / None takes its ``MEGATRON_JF_*``
+variable (read by :mod:`megatron_jf.env`); without one, the device's default.
 
-An explicit constructor argument wins over the variable; the variable wins over the device default. Values are
-read when a runner is built (one per :meth:`Engine.generate <megatron_jf.inference.engine.Engine.generate>` call
-or batch session), so a change applies to the next one.
+=================  ==============================  ===========================================================
+field              variable                        default without either
+=================  ==============================  ===========================================================
+``forward``        ``MEGATRON_JF_LEAN_FORWARD``    the lean forward where the model supports it, else megatron's
+``static_decode``  ``MEGATRON_JF_STATIC_DECODE``   on with CUDA (``force``: on any device)
+``cuda_graphs``    ``MEGATRON_JF_CUDA_GRAPHS``     on with CUDA
+``gemv``           ``MEGATRON_JF_LEAN_GEMV``       ``all`` up to 4 GiB of weights, else ``out``
+``lean_packed``    ``MEGATRON_JF_LEAN_PACKED``     on where torch has oneDNN
+``mr_verify``      ``MEGATRON_JF_MR_VERIFY``       pruned on CPU, tree on CUDA
+=================  ==============================  ===========================================================
+
+Variables are read when a runner is built (one per :meth:`Engine.generate
+<megatron_jf.inference.engine.Engine.generate>` call or batch session), so a change applies to the next one.
+Torch-free (the command-line flags, :func:`megatron_jf.cli.add_inference_args`, are built from this module).
 """
 
 from __future__ import annotations
 
-import os
+import dataclasses
 
-LEAN_FORWARD = "MEGATRON_JF_LEAN_FORWARD"
-STATIC_DECODE = "MEGATRON_JF_STATIC_DECODE"
-CUDA_GRAPHS = "MEGATRON_JF_CUDA_GRAPHS"
-LEAN_GEMV = "MEGATRON_JF_LEAN_GEMV"
-LEAN_PACKED = "MEGATRON_JF_LEAN_PACKED"
-MR_VERIFY = "MEGATRON_JF_MR_VERIFY"
-COST_CACHE = "MEGATRON_JF_COST_CACHE"
+from megatron_jf import env
+from megatron_jf.cli import cli_field
 
 FORWARDS = ("auto", "lean", "static", "megatron")
 GEMV_MODES = ("all", "out", "none")
 MR_VERIFY_MODES = ("auto", "tree", "pruned")
-_OFF = ("0", "false", "off", "no")
 
 
-def _env(name: str, default: str = "") -> str:
-    return os.environ.get(name, default).strip().lower()
+@dataclasses.dataclass(frozen=True)
+class InferenceOptions:
+    """The inference forward's switches (:class:`~megatron_jf.inference.engine.Engine`,
+    :class:`~megatron_jf.inference.runner.ModelRunner`, ``LLM.from_checkpoint(options=...)``, the ``--inference-*``
+    flags). None of them changes the generated tokens.
+
+    Raises:
+        ValueError: a field outside its choices.
+    """
+
+    forward: str = cli_field("auto", choices=FORWARDS)
+    """The decode forward: lean (this project's, over the model's weights), static (the lean forward with static
+    shapes; CUDA graphs on a GPU), megatron (megatron-core's own); auto: the lean forward where the model supports it
+    and MEGATRON_JF_LEAN_FORWARD is on (its static path per static_decode), else megatron's."""
+    static_decode: bool | None = cli_field(None, tristate=True)
+    """Under forward auto, the static path for cached decode forwards (on: on any device, eager on CPU); auto:
+    MEGATRON_JF_STATIC_DECODE, else on with CUDA."""
+    cuda_graphs: bool | None = cli_field(None, "--cuda-graphs", tristate=True)
+    """Replay CUDA graphs on the static path; auto: MEGATRON_JF_CUDA_GRAPHS, else on with CUDA."""
+    gemv: str = cli_field("auto", "--lean-gemv", choices=("auto",) + GEMV_MODES)
+    """CPU copies of the weights for one-row products: all, out (output layer only) or none; auto:
+    MEGATRON_JF_LEAN_GEMV, else all up to 4 GiB of weights, else out. A value set here stays on the model's lean
+    forward."""
+    lean_packed: bool | None = cli_field(None, tristate=True)
+    """Multi-row CPU products through oneDNN on packed weight copies (off: F.linear); auto: MEGATRON_JF_LEAN_PACKED,
+    else on where torch has oneDNN. A value set here stays on the model's lean forward."""
+    mr_verify: str = cli_field("auto", "--mr-verify", choices=MR_VERIFY_MODES)
+    """How MR verifies recycled candidates: tree (one forward with a tree mask) or pruned (the main chain, then only
+    the candidates that can still win); auto: MEGATRON_JF_MR_VERIFY, else pruned on CPU, tree on CUDA."""
+
+    def __post_init__(self):
+        for name, allowed in (("forward", FORWARDS), ("gemv", ("auto",) + GEMV_MODES),
+                              ("mr_verify", MR_VERIFY_MODES)):
+            v = getattr(self, name)
+            if v not in allowed:
+                label = "forward impl" if name == "forward" else f"{name.replace('_', ' ')} mode"
+                raise ValueError(f"unknown {label} {v!r}; choose one of {', '.join(allowed)}")
+        for name in ("static_decode", "cuda_graphs", "lean_packed"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"{name} must be True, False or None (auto), got {getattr(self, name)!r}")
 
 
+# ------------------------------------------------------------------------------------------------ resolution
 def lean_forward_on() -> bool:
-    """False when ``MEGATRON_JF_LEAN_FORWARD`` is ``0``/``false``/``off``/``no`` (default: on)."""
-    return _env(LEAN_FORWARD, "1") not in _OFF
+    """``MEGATRON_JF_LEAN_FORWARD`` (default on): whether ``forward="auto"`` may take the lean forward.
+
+    Raises:
+        ValueError: a bad value of the variable.
+    """
+    return env.lean_forward()
 
 
-def lean_packed_on() -> bool:
-    """False when ``MEGATRON_JF_LEAN_PACKED`` is ``0``/``false``/``off``/``no`` (default: on)."""
-    return _env(LEAN_PACKED, "1") not in _OFF
+def lean_packed_on(explicit: bool | None = None) -> bool:
+    """``explicit``, else ``MEGATRON_JF_LEAN_PACKED`` (default on)."""
+    return env.lean_packed() if explicit is None else bool(explicit)
 
 
-def static_decode_on(device) -> bool:
-    """The static path for cached decode forwards on ``device`` (a ``torch.device``): on with CUDA unless
-    ``MEGATRON_JF_STATIC_DECODE`` is off; ``=force`` turns it on for any device."""
-    v = _env(STATIC_DECODE, "1")
-    return v == "force" or (device.type == "cuda" and v not in _OFF)
+def static_decode_on(device, explicit: bool | None = None) -> bool:
+    """The static path for cached decode forwards on ``device`` (a ``torch.device``) under ``forward="auto"``:
+    ``explicit``, else ``MEGATRON_JF_STATIC_DECODE`` (``force``: on any device; off; default: on with CUDA)."""
+    if explicit is not None:
+        return bool(explicit)
+    v = env.static_decode()
+    return v == "force" or (v is True and device.type == "cuda")
 
 
-def cuda_graphs_on(device) -> bool:
-    """CUDA-graph capture on the static path: on a CUDA ``device`` unless ``MEGATRON_JF_CUDA_GRAPHS`` is off."""
-    return device.type == "cuda" and _env(CUDA_GRAPHS, "1") not in _OFF
+def cuda_graphs_on(device, explicit: bool | None = None) -> bool:
+    """CUDA-graph capture on the static path: ``explicit``, else on a CUDA ``device`` unless
+    ``MEGATRON_JF_CUDA_GRAPHS`` is off."""
+    if explicit is not None:
+        return bool(explicit)
+    return device.type == "cuda" and env.cuda_graphs()
 
 
 def gemv_mode(mode: str | None = None) -> str:
-    """``mode``, else ``MEGATRON_JF_LEAN_GEMV``; ``""`` when neither is set (the lean forward picks by model size).
+    """``mode`` (``all``/``out``/``none``), else (``auto``/None) ``MEGATRON_JF_LEAN_GEMV``; ``""`` when neither is
+    set (the lean forward picks by model size).
 
     Raises:
-        ValueError: a value other than all, out, none.
+        ValueError: a mode or variable value other than auto, all, out, none.
     """
-    m = (mode if mode is not None else _env(LEAN_GEMV)).strip().lower()
-    if m and m not in GEMV_MODES:
-        raise ValueError(f"{LEAN_GEMV} must be all, out or none, got {m!r}")
+    m = "auto" if mode is None else str(mode).strip().lower()
+    if m == "auto":
+        return env.lean_gemv() or ""
+    if m not in GEMV_MODES:
+        raise ValueError(f"unknown gemv mode {mode!r}; choose one of auto, {', '.join(GEMV_MODES)}")
     return m
 
 
@@ -97,25 +130,13 @@ def mr_verify_mode(mode: str | None, device) -> str:
     """
     m = (mode or "auto").strip().lower()
     if m == "auto":
-        m = _env(MR_VERIFY, "auto") or "auto"
-    if m not in MR_VERIFY_MODES:
-        src = "the argument" if mode not in (None, "auto") else MR_VERIFY
-        raise ValueError(f"unknown MR verification mode {m!r} (from {src}); choose one of {', '.join(MR_VERIFY_MODES)}")
+        m = env.mr_verify()
+    elif m not in MR_VERIFY_MODES:
+        raise ValueError(f"unknown MR verification mode {m!r} (from the argument); choose one of "
+                         f"{', '.join(MR_VERIFY_MODES)}")
     if m == "auto":
         return "tree" if device.type == "cuda" else "pruned"
     return m
-
-
-def cost_cache_dir() -> str | None:
-    """The directory measured forward costs are cached in (``MEGATRON_JF_COST_CACHE``, else
-    ``$XDG_CACHE_HOME/megatron_jf`` or ``~/.cache/megatron_jf``); None when the variable is ``0`` (no cache)."""
-    v = os.environ.get(COST_CACHE, "").strip()
-    if v.lower() in _OFF:
-        return None
-    if v:
-        return v
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "megatron_jf")
 
 
 def inference_transformer_impl() -> str:
@@ -129,5 +150,5 @@ def inference_transformer_impl() -> str:
 def check_forward(forward: str) -> str:
     """``forward`` if it names a forward implementation. Raises ValueError otherwise."""
     if forward not in FORWARDS:
-        raise ValueError(f"unknown forward impl {forward!r}; choose auto, lean, static or megatron")
+        raise ValueError(f"unknown forward impl {forward!r}; choose one of {', '.join(FORWARDS)}")
     return forward

@@ -1,9 +1,9 @@
 """The model runner of a batch: the KV cache, tensor assembly, prefill and decode forwards over rows of it.
 
-The forward implementation is a constructor field (``forward``: ``lean``, ``static`` -- the lean forward with
-static shapes and, on CUDA, CUDA graphs --, ``megatron``, or ``auto``), as are MR's verification mode, the lean
-forward's GEMV copies and CUDA graphs; environment variables set fields left at their default
-(:mod:`megatron_jf.inference.options`). The runner owns the static decoders of its cache's row views -- at most
+The forward implementation (``lean``, ``static`` -- the lean forward with static shapes and, on CUDA, CUDA graphs
+--, ``megatron``, or ``auto``), MR's verification mode, the lean forward's weight copies and CUDA graphs are the
+constructor's :class:`~megatron_jf.inference.options.InferenceOptions`; environment variables set fields left at
+auto. The runner owns the static decoders of its cache's row views -- at most
 ``max_static_views``, least recently used dropped -- so their KV buffers, captured graphs and memory pools go when
 the runner goes (one runner per :meth:`Engine.generate <megatron_jf.inference.engine.Engine.generate>` call or
 batch session).
@@ -16,9 +16,11 @@ from collections import OrderedDict
 
 import torch
 
-from megatron_jf.inference import mr_verify, options
+from megatron_jf.inference import mr_verify
 from megatron_jf.inference.forward import forward_logits
 from megatron_jf.inference.lean_forward import lean_forward_for
+from megatron_jf.inference.options import (InferenceOptions, cuda_graphs_on, lean_packed_on, mr_verify_mode,
+                                           static_decode_on)
 from megatron_jf.inference.static_decode import StaticDecoder
 from megatron_jf.models.gpt import new_kv_cache, unwrap
 
@@ -48,36 +50,41 @@ class ModelRunner:
     Args:
         model: a :class:`~megatron_jf.models.gpt.JFGPTModel` (eval mode, one pipeline stage).
         capacity, max_len: KV-cache rows and slots per row.
-        forward: ``auto`` (the lean forward where the model supports it and ``MEGATRON_JF_LEAN_FORWARD`` is on; its
-            static path with CUDA or ``MEGATRON_JF_STATIC_DECODE=force``; else megatron's), ``lean``, ``static`` or
-            ``megatron``.
-        mr_verify: ``auto``, ``tree`` or ``pruned`` (:mod:`~megatron_jf.inference.mr_verify`).
-        gemv: ``all``, ``out`` or ``none``: the lean forward's transposed weight copies (None: as the lean forward
-            has them, ``MEGATRON_JF_LEAN_GEMV`` or by size; a value set here stays on the model's lean forward).
-        cuda_graphs: capture CUDA graphs on the static path (None: ``MEGATRON_JF_CUDA_GRAPHS``, on with CUDA).
+        options: :class:`~megatron_jf.inference.options.InferenceOptions` (None: every field auto). ``forward``
+            auto: the lean forward where the model supports it and ``MEGATRON_JF_LEAN_FORWARD`` is on -- its static
+            path per ``static_decode`` -- else megatron's. ``gemv`` and ``lean_packed`` set explicitly stay on the
+            model's lean forward; auto leaves it as it is (built with the environment's or the size's choice).
         max_static_views: most row views (``[lo, hi)`` ranges) with a static decoder at once.
 
+    Attributes:
+        impl: the resolved forward (``lean``, ``static`` or ``megatron``); mr_verify: ``tree`` or ``pruned``;
+        cuda_graphs: whether the static path captures CUDA graphs.
+
     Raises:
-        ValueError: an unknown ``forward``, ``mr_verify`` or ``gemv``.
+        ValueError: a bad ``MEGATRON_JF_*`` value among those the options leave at auto.
     """
 
-    def __init__(self, model, capacity: int, max_len: int, *, forward: str = "auto", mr_verify: str = "auto",
-                 gemv: str | None = None, cuda_graphs: bool | None = None, max_static_views: int = 8):
+    def __init__(self, model, capacity: int, max_len: int, *, options: InferenceOptions | None = None,
+                 max_static_views: int = 8):
         m = unwrap(model)
+        opts = InferenceOptions() if options is None else options
         self.model = model
+        self.options = opts
         self.device = next(m.parameters()).device
-        self.mr_verify = options.mr_verify_mode(mr_verify, self.device)
-        self.impl = options.check_forward(forward)
+        self.mr_verify = mr_verify_mode(opts.mr_verify, self.device)
+        self.impl = opts.forward
         self.lean = None
-        if forward != "megatron":
-            self.lean = lean_forward_for(m) if forward == "auto" else None
-            if forward == "auto":
-                self.impl = "megatron" if self.lean is None else (
-                    "static" if options.static_decode_on(self.device) else "lean")
-        if gemv is not None and self.impl != "megatron":
+        if opts.forward == "auto":
+            self.lean = lean_forward_for(m)
+            self.impl = "megatron" if self.lean is None else (
+                "static" if static_decode_on(self.device, opts.static_decode) else "lean")
+        if self.impl != "megatron" and (opts.gemv != "auto" or opts.lean_packed is not None):
             lean = self._lean()
-            lean.gemv_transposed = lean._gemv_policy(gemv)
-        self.cuda_graphs = cuda_graphs
+            if opts.gemv != "auto":
+                lean.gemv_transposed = lean._gemv_policy(opts.gemv)
+            if opts.lean_packed is not None:
+                lean.set_packed(lean_packed_on(opts.lean_packed))
+        self.cuda_graphs = cuda_graphs_on(self.device, opts.cuda_graphs)
         self.max_static_views = max_static_views
         #: prefill the prompts of one call as one padded batch (on an accelerator) or each alone (on CPU: a padded
         #: batch computes its padding and gains nothing on a CPU's GEMMs; 16 HumanEval chat prompts through

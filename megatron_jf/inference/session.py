@@ -97,7 +97,7 @@ class BatchSession:
         self.max_len = max_len or (engine.max_context + max_width + 1)
         self.detokenize = detokenize
         self.split_min_saving = split_min_saving
-        self.runner = ModelRunner(engine.model, capacity, self.max_len, **engine.runner_options)
+        self.runner = ModelRunner(engine.model, capacity, self.max_len, options=engine.options)
         self.cache = self.runner.cache
         self.slots = slots = SlotTable(self.cache, capacity, max_context=self.max_context, max_width=max_width,
                                        max_len=self.max_len)

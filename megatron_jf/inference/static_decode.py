@@ -133,7 +133,7 @@ class StaticDecoder:
         self.buckets = sorted(set(buckets)) if buckets else []
         self.learn = not buckets
         self.max_buckets = max_buckets
-        self.use_graphs = options.cuda_graphs_on(self.device) if use_graphs is None else use_graphs
+        self.use_graphs = options.cuda_graphs_on(self.device, use_graphs)
         self._graphs: dict[int, tuple] = {}
         self._seen: dict[int, int] = {}
         self.replays = 0
