@@ -19,8 +19,9 @@ it, with the same emitted tokens:
             Jacobi forward.
 
 ``auto`` (the default) picks ``pruned`` on CPU and ``tree`` on CUDA; ``MEGATRON_JF_MR_VERIFY`` or
-``Engine(mr_verify=...)`` overrides it (:mod:`megatron_jf.inference.options`). Sampling is unaffected: the winner is chosen from greedy match
-lengths, which the pruning preserves, and then verified with the speculative rule on its own logits.
+``Engine(options=InferenceOptions(mr_verify=...))`` overrides it (:mod:`megatron_jf.inference.options`). Sampling is
+unaffected: the winner is chosen from greedy match lengths, which the pruning preserves, and then verified with the
+speculative rule on its own logits.
 """
 
 from __future__ import annotations
