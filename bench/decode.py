@@ -284,7 +284,7 @@ def main(argv=None):
     from megatron_jf.decoding import forward_width
     from megatron_jf.eval.hf_baseline import hf_twin, time_hf_greedy_decode
     from megatron_jf.eval.speed import warm_up
-    from megatron_jf.hf_io import tokenizer_eos_ids
+    from megatron_jf.tokenizer import tokenizer_eos_ids
     from megatron_jf.inference.engine import Engine
     from megatron_jf.inference.cost_model import packing_summary
     from megatron_jf.precision import cpu_bf16_feature, cpu_bf16_supported

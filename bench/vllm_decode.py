@@ -124,7 +124,7 @@ def _run_ours(args) -> None:
     from megatron_jf import parallel
     from megatron_jf.decoding import forward_width
     from megatron_jf.eval.speed import warm_up
-    from megatron_jf.hf_io import tokenizer_eos_ids
+    from megatron_jf.tokenizer import tokenizer_eos_ids
     from megatron_jf.inference.engine import Engine
     from megatron_jf.models.zoo import mcore_twin
 

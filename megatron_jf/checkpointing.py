@@ -46,6 +46,7 @@ import torch.distributed as dist
 from megatron_jf.fileio import atomic_write_text
 from megatron_jf.load_errors import CheckpointFileError
 from megatron_jf.models.hf_config import ModelArgs
+from megatron_jf.tokenizer import TOKENIZER_FILES, copy_tokenizer_files
 
 META = "jf_meta.json"
 LATEST = "latest_checkpointed_iteration.txt"
@@ -269,7 +270,7 @@ def _meta_from_megatron_lm(d: str) -> dict:
     eos = []  # stop tokens from the tokenizer: CKPT/tokenizer, else the HF tokenizer folder args.tokenizer_model
     for tok in (os.path.join(os.path.dirname(d), "tokenizer"), getattr(a, "tokenizer_model", None)):
         if isinstance(tok, str) and os.path.isdir(tok):
-            from megatron_jf.hf_io import tokenizer_eos_ids
+            from megatron_jf.tokenizer import tokenizer_eos_ids
 
             eos = tokenizer_eos_ids(tok)
             break
@@ -493,7 +494,7 @@ def save_checkpoint(ckpt_dir: str, iteration: int, model, *, sharded_extra: dict
         os.makedirs(tmp)
         if (tokenizer_dir and not os.path.isdir(os.path.join(ckpt_dir, "tokenizer"))
                 and any(os.path.isfile(os.path.join(tokenizer_dir, n)) for n in TOKENIZER_FILES[:-1])):
-            _copy_tokenizer(tokenizer_dir, os.path.join(ckpt_dir, "tokenizer"))
+            copy_tokenizer_files(tokenizer_dir, os.path.join(ckpt_dir, "tokenizer"))
     _barrier()
     dtype = next(m.parameters()).dtype
     tok = os.path.join(os.path.abspath(ckpt_dir), "tokenizer")
@@ -656,18 +657,3 @@ def tokenizer_path(ckpt_dir: str) -> str | None:
         raise FileNotFoundError(f"checkpoint directory not found: {ckpt_dir}")
     p = os.path.join(ckpt_dir, "tokenizer")
     return p if os.path.isdir(p) else None
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
-                   "generation_config.json")
-
-
-def _copy_tokenizer(src: str, dst: str) -> None:
-    tmp = dst + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    for name in TOKENIZER_FILES:
-        if os.path.isfile(os.path.join(src, name)):
-            shutil.copy2(os.path.join(src, name), os.path.join(tmp, name))
-    os.replace(tmp, dst)

@@ -15,6 +15,7 @@ import os
 import shutil
 
 from megatron_jf.models.hf_config import ModelArgs
+from megatron_jf.tokenizer import TOKENIZER_FILES, tokenizer_eos_ids
 
 # torch is imported inside the functions that use it: tools/convert_hf.py reads DEFAULT_MAX_SHARD_SIZE while it
 # builds its parser, before torch is imported (--help answers at once)
@@ -60,19 +61,6 @@ def load_hf_state_dict(path: str) -> dict[str, torch.Tensor]:
         except Exception as e:
             raise ValueError(f"corrupt weight file {f}: {e}") from None
     return out
-
-
-def tokenizer_eos_ids(path: str) -> list[int]:
-    """EOS ids named by the tokenizer files in ``path`` (empty if there is no loadable tokenizer)."""
-    if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-        return []
-    try:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception:
-        return []
-    return [int(tok.eos_token_id)] if tok.eos_token_id is not None else []
 
 
 def read_model_args(path: str) -> ModelArgs:
@@ -155,7 +143,6 @@ def save_hf_checkpoint(out_dir: str, state: dict[str, torch.Tensor], args: Model
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
-    from megatron_jf.checkpointing import TOKENIZER_FILES
 
     limit = parse_shard_size(max_shard_size)
     if os.path.exists(out_dir) and not overwrite:

@@ -744,3 +744,34 @@ def _replace_dir(tmp: Path, out: Path, overwrite: bool) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, out)
+
+
+#: The files of a Hugging Face tokenizer directory (checkpoints and exports copy these).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+                   "generation_config.json")
+
+
+def copy_tokenizer_files(src: str, dst: str) -> None:
+    """Copy the tokenizer files of ``src`` (:data:`TOKENIZER_FILES` present there) to a new directory ``dst``,
+    atomically (a temporary directory renamed)."""
+    tmp = dst + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copy2(os.path.join(src, name), os.path.join(tmp, name))
+    os.replace(tmp, dst)
+
+
+def tokenizer_eos_ids(path: str) -> list[int]:
+    """EOS ids named by the tokenizer files in ``path`` (empty if there is no loadable tokenizer)."""
+    if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return []
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception:
+        return []
+    return [int(tok.eos_token_id)] if tok.eos_token_id is not None else []
