@@ -33,6 +33,7 @@ import inspect
 import re
 import typing
 
+
 #: The option strings of one concept (first: ours, then Megatron-LM's, then vLLM's).
 TP_FLAGS = ("--tp", "--tensor-model-parallel-size", "--tensor-parallel-size")
 PP_FLAGS = ("--pp", "--pipeline-model-parallel-size", "--pipeline-parallel-size")
@@ -394,22 +395,6 @@ def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-def cli_field(default=dataclasses.MISSING, *aliases: str, default_factory=dataclasses.MISSING, **argparse_kw):
-    """A dataclass ``field`` with command-line details for :func:`add_dataclass_arguments`.
-
-    Args:
-        default / default_factory: as :func:`dataclasses.field`.
-        aliases: more option strings for the field's flag (Megatron-LM's or vLLM's spelling).
-        argparse_kw: passed to ``add_argument`` (``choices``, ``required``, ``metavar``, ``nargs``, ``type``),
-            ``const_aliases={"--bf16": "bf16"}``: switches that set the field to a value, and ``tristate=True``: a
-            ``bool | None`` field whose flag takes ``auto`` (None), ``on`` or ``off`` (:func:`tristate`).
-    """
-    kw = {} if default_factory is dataclasses.MISSING else {"default_factory": default_factory}
-    if default is not dataclasses.MISSING:
-        kw["default"] = default
-    return dataclasses.field(metadata={"cli": {"aliases": aliases, **argparse_kw}}, **kw)
-
-
 def _kind(annotation, module) -> tuple[type, bool, bool]:
     """``(element type, is a list, may be None)`` of a field annotation (a string under postponed evaluation)."""
     text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
@@ -437,12 +422,12 @@ def add_dataclass_arguments(group, cls, *, only: typing.Sequence[str] | None = N
     """Add one flag per field of dataclass ``cls`` (``dest`` = the field name), as Megatron-LM's
     ``ArgumentGroupFactory`` does: the type from the annotation (``int``/``float``/``str``; ``bool`` ->
     ``--x/--no-x``; ``list[T]`` -> one or more values), the default from the field (or ``defaults``), the help
-    from its docstring (:func:`field_docs`), aliases and argparse details from :func:`cli_field` metadata.
+    from its docstring (:func:`field_docs`), aliases and argparse details from :func:`~megatron_jf.config_fields.cli_field` metadata.
 
     Args:
         group: a parser or argument group.
         only / skip: the fields to offer / leave out (declaration order is kept).
-        choices: ``{field: allowed values}`` (besides ``cli_field(choices=...)``).
+        choices: ``{field: allowed values}`` (besides ``cli_field(choices=...)``, :mod:`megatron_jf.config_fields`).
         defaults: ``{field: default}`` overriding the dataclass's.
         grids: ``{field: default values}`` for fields taking a comma-separated list (a grid of values).
         groups: ``[(first field, title), ...]``: a new argument group of ``group`` starts at each named field.

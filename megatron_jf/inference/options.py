@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_jf import env
-from megatron_jf.cli import cli_field
+from megatron_jf.config_fields import cli_field
 
 FORWARDS = ("auto", "lean", "static", "megatron")
 GEMV_MODES = ("all", "out", "none")

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 
 from megatron_jf import cli
-from megatron_jf.cli import cli_field
+from megatron_jf.config_fields import cli_field
 
 __all__ = ["TrainConfig", "build_parser", "parse_config", "effective_seq_length", "lr_at"]
 
