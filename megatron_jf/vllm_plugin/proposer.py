@@ -78,7 +78,7 @@ class JacobiForcingProposer:
         #: when a dict (tests, debugging; set through ``LLM.collective_rpc``): request id -> ``{"prompt": [...],
         #: "drafts": [draft per step]}``, the drafts exactly as proposed
         self.record: dict | None = None
-        vllm_internals.activate_recording()
+        vllm_internals.activate_recording(type(self))
 
     def load_model(self, *args, **kwargs) -> None:
         """No draft model (vLLM's CPU runner calls this for every drafter)."""

@@ -124,6 +124,11 @@ class _Recorder:
 
     last: Verification | None = None
     active = False  # True once a plugin proposer exists in this process: only then is anything recorded
+    proposer_cls: type | None = None  # the plugin's proposer class, set by the first one made in this process
+
+    @classmethod
+    def is_plugin_proposer(cls, drafter) -> bool:
+        return cls.proposer_cls is not None and isinstance(drafter, cls.proposer_cls)
 
     @classmethod
     def take(cls) -> Verification | None:
@@ -190,7 +195,7 @@ class BatchView:
         return self._token_ids[i, : int(self._num_tokens[i])].tolist()
 
 
-def _wrap_propose_draft_token_ids(runner_cls, proposer_cls):
+def _wrap_propose_draft_token_ids(runner_cls):
     orig = runner_cls.propose_draft_token_ids
     if getattr(orig, _PATCHED, False):
         return None
@@ -201,7 +206,7 @@ def _wrap_propose_draft_token_ids(runner_cls, proposer_cls):
     @functools.wraps(orig)
     def propose_draft_token_ids(self, *args, **kwargs):
         drafter = getattr(self, "drafter", None)
-        if not isinstance(drafter, proposer_cls):
+        if not _Recorder.is_plugin_proposer(drafter):
             return orig(self, *args, **kwargs)
         b = sig.bind(self, *args, **kwargs).arguments
         # a step verified drafts iff it has spec-decode metadata; anything recorded otherwise is stale (warm-up)
@@ -227,7 +232,7 @@ def _wrap_propose_draft_token_ids(runner_cls, proposer_cls):
     return lambda: setattr(runner_cls, "propose_draft_token_ids", propose_draft_token_ids)
 
 
-def _wrap_update_states(runner_cls, proposer_cls):
+def _wrap_update_states(runner_cls):
     orig = runner_cls._update_states
     if getattr(orig, _PATCHED, False):
         return None
@@ -236,7 +241,7 @@ def _wrap_update_states(runner_cls, proposer_cls):
     @functools.wraps(orig)
     def _update_states(self, scheduler_output, *args, **kwargs):
         drafter = getattr(self, "drafter", None)
-        if isinstance(drafter, proposer_cls):
+        if _Recorder.is_plugin_proposer(drafter):
             drafter.finish(scheduler_output.finished_req_ids)
         return orig(self, scheduler_output, *args, **kwargs)
 
@@ -412,14 +417,12 @@ def _prepare_wraps() -> list:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from megatron_jf.vllm_plugin.methods import MAX_SPEC_LEN
-    from megatron_jf.vllm_plugin.proposer import JacobiForcingProposer
 
     if rejection_sampler.MAX_SPEC_LEN != MAX_SPEC_LEN:
         raise UnsupportedVLLMError(f"megatron-jf vLLM plugin: vLLM's MAX_SPEC_LEN is {rejection_sampler.MAX_SPEC_LEN},"
                                    f" the plugin's config check assumes {MAX_SPEC_LEN}; it supports {SUPPORTED}")
     wraps = [_wrap_create_speculative_config(EngineArgs), _wrap_rejection_sample(rejection_sampler),
-             _wrap_propose_draft_token_ids(GPUModelRunner, JacobiForcingProposer),
-             _wrap_update_states(GPUModelRunner, JacobiForcingProposer),
+             _wrap_propose_draft_token_ids(GPUModelRunner), _wrap_update_states(GPUModelRunner),
              _wrap_validate_params(InputProcessor, SamplingParams, VLLMValidationError),
              _fix_cpu_expand(rejection_sampler)]
     return [w for w in wraps if w is not None]
@@ -449,6 +452,8 @@ def install() -> bool:
     return True
 
 
-def activate_recording() -> None:
-    """Called by the proposer's constructor: record verifications in this process from now on."""
+def activate_recording(proposer_cls: type) -> None:
+    """Called by the proposer's constructor with its class: record verifications in this process from now on, and
+    route the runner's drafting calls of drafters of that class to the plugin (no plugin proposer exists before)."""
     _Recorder.active = True
+    _Recorder.proposer_cls = proposer_cls
