@@ -40,8 +40,40 @@ PP_FLAGS = ("--pp", "--pipeline-model-parallel-size", "--pipeline-parallel-size"
 TOKENIZER_FLAGS = ("--tokenizer", "--tokenizer-model")
 MAX_NEW_TOKENS_FLAGS = ("--max-new-tokens", "--num-tokens-to-generate")
 BATCH_FLAGS = ("--batch-size", "--micro-batch-size")
-#: kept for callers of the earlier single-flag name
-PP_FLAG = PP_FLAGS[1]
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One command-line option concept, defined once: its ``dest``, its option strings and its ``add_argument``
+    keywords. Every parser that offers the concept adds it through :meth:`add`, which marks the action with this
+    definition (``action.definition``); ``tests/test_option_definitions.py`` checks that every ``dest`` of every
+    tool, bench and recipe has one definition.
+
+    Attributes:
+        dest: the parsed attribute (the concept's name).
+        flags: option strings, ours first, then Megatron-LM's and vLLM's spellings of the same concept.
+        kwargs: further ``add_argument`` keywords (``type``, ``default``, ``help``, ``metavar``, ``choices``, ...).
+    """
+
+    dest: str
+    flags: tuple
+    kwargs: typing.Mapping = dataclasses.field(default_factory=dict)
+
+    def add(self, parser, **override) -> argparse.Action:
+        """Add the option to ``parser`` (a parser or group); ``override``: keywords for this use (``default``,
+        ``help``, ``required`` -- a tool's own wording of the same concept). Returns the action."""
+        kw = {**self.kwargs, **override}
+        if kw.get("required"):
+            kw.pop("default", None)
+        action = parser.add_argument(*self.flags, dest=self.dest, **kw)
+        action.definition = self
+        return action
+
+
+def mark(actions, definition) -> None:
+    """Record ``definition`` (an :class:`Option` or a dataclass field) on argparse ``actions`` it made."""
+    for a in actions:
+        a.definition = definition
+
 
 #: The decoder the tools run when ``--decoder`` is not given: MR (multi-block decoding with rejection recycling,
 #: paper Sec. 3.2, Algorithm 1) is lossless -- greedy output identical to AR's -- and the fastest decoder on
@@ -146,14 +178,22 @@ def _pp_one(text: str) -> int:
     return v
 
 
+#: the tensor-parallel size (``pretrain_jf.py``'s ``TrainConfig.tp`` is this option too)
+TP = Option("tp", TP_FLAGS, {"type": positive_int, "default": 1, "metavar": "TP",
+                             "help": "tensor-parallel size (= WORLD_SIZE under torchrun, or a divisor of it)"})
+#: the inference tools' pipeline-parallel size: accepted (Megatron-LM's and vLLM's spellings), only 1
+INFERENCE_PP = Option("pipeline_model_parallel_size", PP_FLAGS,
+                      {"type": _pp_one, "default": 1, "metavar": "PP",
+                       "help": "pipeline-parallel size; inference runs PP=1 and loads checkpoints of any layout"})
+
+
 def add_parallel_args(p, *, tp_help: str = "tensor-parallel size (= WORLD_SIZE under torchrun, or a divisor of "
                       "it)") -> None:
     """``--tp`` (also ``--tensor-model-parallel-size``, ``--tensor-parallel-size``) and the pipeline-parallel size
     (``--pipeline-model-parallel-size`` / ``--pipeline-parallel-size``: only 1 for inference, accepted so
     Megatron-LM and vLLM launch lines run unchanged)."""
-    p.add_argument(*TP_FLAGS, dest="tp", type=positive_int, default=1, metavar="TP", help=tp_help)
-    p.add_argument(*PP_FLAGS, dest="pipeline_model_parallel_size", type=_pp_one, default=1, metavar="PP",
-                   help="pipeline-parallel size; inference runs PP=1 and loads checkpoints of any layout")
+    TP.add(p, help=tp_help)
+    INFERENCE_PP.add(p)
 
 
 #: What the inference tools' help says about bf16 (one text for every tool).
@@ -178,11 +218,13 @@ def add_precision_args(p) -> None:
     """``--bf16`` / ``--fp16`` (Megatron-LM's switches) or ``--dtype`` (vLLM's) set ``params_dtype``; none: bf16 on
     GPU, fp32 on CPU."""
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--bf16", dest="params_dtype", action="store_const", const="bf16", default=None, help=BF16_HELP)
-    g.add_argument("--fp16", dest="params_dtype", action="store_const", const="fp16",
-                   help="run the model in float16 (none of --bf16/--fp16/--dtype: bf16 on GPU, fp32 on CPU)")
-    g.add_argument("--dtype", dest="params_dtype", type=_dtype, metavar="{auto,bfloat16,float16,float32}",
-                   help="vLLM's spelling of the model dtype; auto or none: bf16 on GPU, fp32 on CPU")
+    mark([g.add_argument("--bf16", dest="params_dtype", action="store_const", const="bf16", default=None,
+                         help=BF16_HELP),
+          g.add_argument("--fp16", dest="params_dtype", action="store_const", const="fp16",
+                         help="run the model in float16 (none of --bf16/--fp16/--dtype: bf16 on GPU, fp32 on CPU)"),
+          g.add_argument("--dtype", dest="params_dtype", type=_dtype, metavar="{auto,bfloat16,float16,float32}",
+                         help="vLLM's spelling of the model dtype; auto or none: bf16 on GPU, fp32 on CPU")],
+         add_precision_args)
 
 
 def params_dtype(name: str | None):
@@ -202,12 +244,35 @@ def params_dtype(name: str | None):
     return {None: default_dtype(), "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
+#: torch's intra-op threads per process
+THREADS = Option("threads", ("--threads",), {
+    "type": positive_int, "default": None,
+    "help": "torch intra-op threads per process; none: torch's choice (OMP_NUM_THREADS, else one per core)"})
+#: tokens generated per prompt (Megatron-LM: ``--num-tokens-to-generate``)
+MAX_NEW_TOKENS = Option("max_new_tokens", MAX_NEW_TOKENS_FLAGS, {
+    "type": positive_int, "default": DEFAULT_MAX_NEW_TOKENS, "help": "most tokens generated per prompt"})
+#: the tokenizer (Megatron-LM: ``--tokenizer-model``)
+TOKENIZER = Option("tokenizer", TOKENIZER_FLAGS, {
+    "default": None, "help": "tokenizer directory or file; none: the checkpoint's tokenizer/"})
+#: prompts decoded together (Megatron-LM: ``--micro-batch-size``)
+BATCH_SIZE = Option("batch_size", BATCH_FLAGS, {"type": positive_int, "default": 1,
+                                                "help": "prompts decoded together"})
+#: the megatron checkpoint to load (Megatron-LM's ``--load``)
+LOAD = Option("load", ("--load",), {
+    "default": None, "metavar": "CKPT",
+    "help": "megatron checkpoint directory (required; a Hugging Face model is converted first with "
+            "tools/convert_hf.py hf-to-mcore)"})
+#: the random seed (sampling, data order, initialisation)
+SEED = Option("seed", ("--seed",), {"type": int, "default": 1234, "help": "random seed"})
+#: a JSON file the results are also written to
+JSON_OUT = Option("json", ("--json",), {"default": None, "metavar": "FILE",
+                                        "help": "also write the results to this JSON file"})
+
+
 def add_threads_arg(p) -> None:
     """``--threads``: torch's intra-op threads per process (default: torch's own choice, which follows
     ``OMP_NUM_THREADS``; torchrun sets it to 1 per process)."""
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch intra-op threads per process; none: torch's choice (OMP_NUM_THREADS, else one per "
-                        "core)")
+    THREADS.add(p)
 
 
 def set_threads(n: int | None) -> None:
@@ -221,25 +286,22 @@ def set_threads(n: int | None) -> None:
 def add_max_new_tokens_arg(p, default: int = DEFAULT_MAX_NEW_TOKENS, help: str = "most tokens generated per "
                            "prompt") -> None:
     """``--max-new-tokens`` (Megatron-LM: ``--num-tokens-to-generate``)."""
-    p.add_argument(*MAX_NEW_TOKENS_FLAGS, dest="max_new_tokens", type=positive_int, default=default, help=help)
+    MAX_NEW_TOKENS.add(p, default=default, help=help)
 
 
 def add_tokenizer_arg(p) -> None:
     """``--tokenizer`` (Megatron-LM: ``--tokenizer-model``); default: the checkpoint's ``tokenizer/``."""
-    p.add_argument(*TOKENIZER_FLAGS, dest="tokenizer", default=None,
-                   help="tokenizer directory or file; none: the checkpoint's tokenizer/")
+    TOKENIZER.add(p)
 
 
 def add_batch_arg(p, default: int = 1, help: str = "prompts decoded together") -> None:
     """``--batch-size`` (Megatron-LM: ``--micro-batch-size``)."""
-    p.add_argument(*BATCH_FLAGS, dest="batch_size", type=positive_int, default=default, help=help)
+    BATCH_SIZE.add(p, default=default, help=help)
 
 
 def add_load_arg(p, *, required: bool = True, help: str | None = None) -> None:
     """``--load``: the megatron checkpoint directory (a Hugging Face model is converted first)."""
-    p.add_argument("--load", required=required, default=None, metavar="CKPT",
-                   help=help or "megatron checkpoint directory (required; a Hugging Face model is converted first "
-                                "with tools/convert_hf.py hf-to-mcore)")
+    LOAD.add(p, required=required, **({"help": help} if help else {}))
 
 
 # ------------------------------------------------------------------------------------ inference forward options
@@ -449,6 +511,8 @@ def add_dataclass_arguments(group, cls, *, only: typing.Sequence[str] | None = N
         if f.name in starts:
             target = group.add_argument_group(starts[f.name])
         meta = dict(f.metadata.get("cli", {}))
+        shared = meta.pop("option", None)  # the name of a shared :class:`Option` of this module (``"TP"``)
+        shared = globals()[shared] if shared else None
         aliases = tuple(meta.pop("aliases", ()))
         const_aliases = meta.pop("const_aliases", {})
         doc = docs.get(f.name)
@@ -470,6 +534,12 @@ def add_dataclass_arguments(group, cls, *, only: typing.Sequence[str] | None = N
             kind = one_of(f.name.replace("_", " "), allowed)
             kw["metavar"] = "{" + ",".join(map(str, allowed)) + "}"
         opts = [flag_name(prefix + f.name), *aliases]
+        if shared is not None:  # the shared option's spellings, type and metavar; this field's default and help
+            if shared.dest != kw["dest"]:
+                raise ValueError(f"{cls.__name__}.{f.name} names the shared option {shared.dest!r}: the dest differs")
+            opts = list(shared.flags)
+            meta = {**{k: v for k, v in shared.kwargs.items() if k in ("type", "metavar", "choices")}, **meta}
+            kind = meta.pop("type", kind)
         if meta.pop("tristate", False):
             kw.update(type=tristate, metavar="{auto,on,off}")
         elif f.name in (grids or {}):
@@ -487,10 +557,12 @@ def add_dataclass_arguments(group, cls, *, only: typing.Sequence[str] | None = N
         if kw.get("required"):
             kw.pop("default", None)
         actions[f.name] = target.add_argument(*opts, **kw)
+        made = [actions[f.name]]
         for flag, const in const_aliases.items():  # --bf16 = --precision bf16 (Megatron-LM's switch)
-            target.add_argument(flag, dest=kw["dest"], action="store_const", const=const, default=argparse.SUPPRESS,
-                                help=f"the spelling of {opts[0]} {const} Megatron-LM users know (default: off: "
-                                     f"{opts[0]}'s default)")
+            made.append(target.add_argument(
+                flag, dest=kw["dest"], action="store_const", const=const, default=argparse.SUPPRESS,
+                help=f"the spelling of {opts[0]} {const} Megatron-LM users know (default: off: {opts[0]}'s default)"))
+        mark(made, shared or f)
     return actions
 
 

@@ -106,3 +106,20 @@ def test_inference_flags_reach_the_engine_and_change_no_output(tiny):
         got = [r.tokens for r in llm.generate(prompts, cfg, max_new_tokens=16, eos_ids=frozenset())]
         want = [r.tokens for r in default.generate(prompts, cfg, max_new_tokens=16, eos_ids=frozenset())]
         assert got == want and all(len(t) == 16 for t in got), cfg.decoder
+
+
+def test_from_model_wraps_a_built_model_like_its_checkpoint(tiny):
+    """``LLM.from_model`` over the checkpoint's own model and stop set: the same tokens as the loaded LLM, with a
+    new engine of the model's context window; without the stop ids it runs to ``max_new_tokens``."""
+    from megatron_jf.inference.llm import LLM
+
+    root, ck = tiny
+    a = LLM.from_checkpoint(ck)
+    b = LLM.from_model(a.model, a.tokenizer, a.eos_ids)
+    assert b.engine is not a.engine and b.ckpt_dir == "" and b.engine.max_context == a.engine.max_context
+    prompts = ["Hello world!", "def add(a, b):"]
+    cfg = DecodeConfig("jacobi", block_size=4)
+    want = [r.tokens for r in a.generate(prompts, cfg, max_new_tokens=24)]
+    assert [r.tokens for r in b.generate(prompts, cfg, max_new_tokens=24)] == want
+    free = LLM.from_model(a.model, a.tokenizer)
+    assert all(len(r.tokens) == 24 for r in free.generate(prompts, cfg, max_new_tokens=24))

@@ -24,14 +24,14 @@ __all__ = ["LLM", "CheckpointNotFound", "TokenizerNotFound"]
 
 @dataclass
 class LLM:
-    """A checkpoint ready for generation.
+    """A model ready for generation (from a checkpoint, or built in this process: :meth:`from_model`).
 
     Attributes:
         engine: :class:`~megatron_jf.inference.engine.Engine` over the model.
         tokenizer: :class:`megatron_jf.tokenizer.Tokenizer`.
         eos_ids: the stop ids (the tokenizer's eos ids and the checkpoint's ``eos_token_ids``; the server's set too).
         meta: the checkpoint's ``jf_meta.json``.
-        ckpt_dir: absolute checkpoint path.
+        ckpt_dir: absolute checkpoint path ("" for :meth:`from_model`).
         model_args: the checkpoint's model arguments (``max_position_embeddings``: the context window).
     """
 
@@ -109,6 +109,30 @@ class LLM:
         tok = load_tokenizer(tok_dir)
         eos = stop_token_ids(tok, args, ckpt_dir)  # the one stop set (also the server's)
         return cls(Engine(model, max_context=max_context, options=options), tok, eos, meta, ckpt_dir, args)
+
+    @classmethod
+    def from_model(cls, model, tokenizer=None, eos_ids=(), *, max_context: Optional[int] = None, options=None,
+                   check_invariants: bool = False, forward_cost=None, meta: Optional[dict] = None) -> "LLM":
+        """An LLM over a model already built in this process (a converted Hugging Face model, a training run's
+        model, a bench's random model): the same engine a checkpoint gets, without the load.
+
+        Args:
+            model: a megatron_jf GPT model (``torch.nn.Module``; ``model_args`` on it or its unwrapped module).
+            tokenizer: :class:`megatron_jf.tokenizer.Tokenizer` or None (then prompts are token ids).
+            eos_ids: stop ids (default: none).
+            max_context / options: as :meth:`from_checkpoint`.
+            check_invariants / forward_cost: :class:`~megatron_jf.inference.engine.Engine`'s test hooks.
+            meta: a description kept as :attr:`meta` (default: empty).
+
+        Raises:
+            ValueError: a bad inference option (:class:`~megatron_jf.inference.options.InferenceOptions`).
+        """
+        from megatron_jf.inference.engine import Engine
+        from megatron_jf.models.gpt import unwrap
+
+        engine = Engine(model, max_context=max_context, check_invariants=check_invariants, options=options,
+                        forward_cost=forward_cost)
+        return cls(engine, tokenizer, frozenset(eos_ids), dict(meta or {}), "", unwrap(model).model_args)
 
     def generate(self, prompts: list, config=None, *, max_new_tokens: int = 128, sampling=None,
                  stop_strings: tuple[str, ...] = (), eos_ids=None, **kw) -> list:
