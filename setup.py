@@ -46,6 +46,8 @@ setup(
     python_requires=">=3.10",
     install_requires=CORE,
     extras_require=EXTRAS,
-    # vLLM loads general plugins in every process it starts; this one adds speculative methods "jacobi" and "mr"
-    entry_points={"vllm.general_plugins": ["megatron_jf = megatron_jf.vllm_plugin:register"]},
+    # `jf <command>` (megatron_jf/commands: convert, generate, collect, evaluate, serve, search, visualize); vLLM loads
+    # general plugins in every process it starts; this one adds speculative methods "jacobi" and "mr"
+    entry_points={"console_scripts": ["jf = megatron_jf.commands:console_main"],
+                  "vllm.general_plugins": ["megatron_jf = megatron_jf.vllm_plugin:register"]},
 )

@@ -39,14 +39,25 @@ def run_torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 300) ->
     return proc.stdout
 
 
-def load_tool(name: str, prefix: str = "_tool"):
-    """``tools/<name>.py`` imported as a module (its ``main``/``build_parser``), without running it."""
-    import importlib.util
+#: ``tools/<name>.py`` -> the :mod:`megatron_jf.commands` module it runs
+TOOL_COMMANDS = {"convert_hf": "convert", "evaluate": "evaluate", "generate": "generate",
+                 "generate_trajectories": "collect", "run_text_generation_server": "serve",
+                 "search_inference_config": "search", "visualize_trajectory": "visualize"}
 
-    spec = importlib.util.spec_from_file_location(f"{prefix}_{name}", os.path.join(REPO, "tools", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+
+def load_tool(name: str, prefix: str = "_tool"):
+    """The command module ``tools/<name>.py`` runs (its ``main``/``build_parser``), imported without running it."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"megatron_jf.commands.{TOOL_COMMANDS[name]}")
+    except ModuleNotFoundError:  # a tool not moved into megatron_jf/commands yet
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(f"{prefix}_{name}", os.path.join(REPO, "tools", f"{name}.py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
 
 
 def _free_port() -> int:

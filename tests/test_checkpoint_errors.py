@@ -132,10 +132,6 @@ def _exit_message(fn):
     return e.value.code
 
 
-def _run_generate(ck, tmp_path, capsys):
-    return _exit_message(lambda: _tool("generate").main(["--load", ck, "--prompt", "hi", "--max-new-tokens", "2"]))
-
-
 def _run_generate_trajectories(ck, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"id": "a", "prompt_ids": [1, 2, 3]}\n')
@@ -156,13 +152,14 @@ def _returns_2(name, argv):
 
 
 def _run_convert(ck, tmp_path, capsys):
-    msg = _exit_message(lambda: _tool("convert_hf").main(["mcore-to-hf", "--load", ck, "--out", str(tmp_path / "hf")]))
+    msg = _returns_2("convert_hf", lambda ck, t: ["mcore-to-hf", "--load", ck, "--out", str(t / "hf")])(ck, tmp_path,
+                                                                                                     capsys)
     assert not (tmp_path / "hf").exists()
     return msg
 
 
 TOOLS = {
-    "generate": _run_generate,
+    "generate": _returns_2("generate", lambda ck, t: ["--load", ck, "--prompt", "hi", "--max-new-tokens", "2"]),
     "generate_trajectories": _run_generate_trajectories,
     "evaluate": _returns_2("evaluate", lambda ck, t: ["--load", ck, "--benchmark", "gsm8k", "--limit", "1",
                                                       "--out", str(t / "ev"), "--no-progress"]),

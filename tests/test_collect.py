@@ -5,7 +5,6 @@ are read back and compared with the engine's output, a collector is SIGKILLed mi
 and a two-rank torchrun run is checked for disjoint, covering shards.
 """
 import glob
-import importlib.util
 import json
 import os
 import shutil
@@ -14,6 +13,8 @@ import subprocess
 import sys
 
 import pytest
+
+from tests.conftest import load_tool
 import torch
 
 from tests.conftest import REPO, run_torchrun
@@ -25,10 +26,7 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("generate_trajectories", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("generate_trajectories")
 
 
 def _mcore(hf):

@@ -5,6 +5,8 @@ import subprocess
 import sys
 
 import pytest
+
+from tests.conftest import load_tool
 import torch
 
 from tests.conftest import REPO
@@ -217,15 +219,11 @@ def test_te_model_has_fixture_names_and_loads_conversion(mp1):
 
 def test_flag_spellings_both_ways():
     """--load IN --out OUT in both directions; --hf names the HF side (old spellings), Megatron-LM's TP/PP names."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("convert_hf_tool", TOOL)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    new = tool.parse_args(["hf-to-mcore", "--load", "H", "--out", "M", "--tp", "2", "--pp", "2"])
-    old = tool.parse_args(["hf-to-mcore", "--hf", "H", "--save", "M", "--tensor-model-parallel-size", "2",
+    parse = load_tool("convert_hf").build_parser().parse_args
+    new = parse(["hf-to-mcore", "--load", "H", "--out", "M", "--tp", "2", "--pp", "2"])
+    old = parse(["hf-to-mcore", "--hf", "H", "--save", "M", "--tensor-model-parallel-size", "2",
                            "--pipeline-model-parallel-size", "2"])
     assert vars(new) == vars(old) and (new.load, new.out, new.tp, new.pp) == ("H", "M", 2, 2)
-    a = tool.parse_args(["mcore-to-hf", "--load", "M", "--out", "H"])
-    b = tool.parse_args(["mcore-to-hf", "--load", "M", "--hf", "H"])
+    a = parse(["mcore-to-hf", "--load", "M", "--out", "H"])
+    b = parse(["mcore-to-hf", "--load", "M", "--hf", "H"])
     assert vars(a) == vars(b) and a.out == "H" and a.max_shard_size == "5GB"

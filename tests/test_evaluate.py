@@ -6,12 +6,13 @@ tiny BPE tokenizer with a ChatML template, converted to a megatron checkpoint th
 ``draft_init="repeat"`` the Jacobi draft is the fixed point, so Jacobi's TPF is well above 1 while its output must
 still equal AR's.
 """
-import importlib.util
 import json
 import os
 import shutil
 
 import pytest
+
+from tests.conftest import load_tool
 import torch
 
 from tests.sandbox_marks import needs_os
@@ -20,10 +21,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _tool(name):
-    spec = importlib.util.spec_from_file_location(f"_tool_{name}", os.path.join(REPO, "tools", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool(name)
 
 
 @pytest.fixture(scope="module")
@@ -159,9 +157,10 @@ def test_evaluate_refuses_code_without_isolation_unless_unisolated(ckpt, tmp_pat
 def test_visualize_live_and_shard(ckpt, tmp_path):
     viz = _tool("visualize_trajectory")
     from megatron_jf.data import BlockTrajectory, TrajectoryRecord, TrajectoryShardWriter
+    from megatron_jf.eval import trajectory_view
 
     # live: one row per Jacobi forward (each forward either adds an iterate or closes its block)
-    blocks, tok, _, res = viz.live_trajectory(ckpt, "def add(a, b):", block_size=4, max_new_tokens=10)
+    blocks, tok, _, res = trajectory_view.live_trajectory(ckpt, "def add(a, b):", block_size=4, max_new_tokens=10)
     assert res.tokens and sum(len(b["drafts"]) for b in blocks) == res.forwards
     assert [t for b in blocks for t in b["fixed_point"]] == res.tokens
     assert viz.main(["--load", ckpt, "--prompt", "def add(a, b):", "--block-size", "4", "--max-new-tokens", "10",
@@ -182,7 +181,7 @@ def test_visualize_live_and_shard(ckpt, tmp_path):
     assert viz.main(["--shard", shard, "--index", "0", "--out", str(tmp_path / "rec")]) == 0
     html = open(tmp_path / "rec.html").read()
     assert html.count("<tr class='iter'") == 5
-    rows = viz.trajectory_rows(viz.blocks_from_record(rec))
+    rows = trajectory_view.trajectory_rows(trajectory_view.blocks_from_record(rec))
     assert rows[1]["labels"] == ["accepted", "unconverged", "stationary", "stationary", "stationary"]
     assert rows[0]["labels"] == ["unconverged"] * 5
     assert rows[3]["labels"] == ["unconverged", "match", "match"]  # a run of 2 is not highlighted
@@ -206,7 +205,9 @@ def test_search_writes_best_config(ckpt, tmp_path):
     assert tpf[(4, 1)] > tpf[(2, 1)] > 1.0  # a longer exact draft accepts more per forward
     assert res["fit"]["terms"] == ["1", "x", "v", "xv"] and res["fit"]["r2"] == pytest.approx(1.0)
     assert open(out / "surface.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
-    assert search.fit_quadratic_surface([(0, 0, 1.0)]) == {"terms": ["1"], "coef": [1.0], "r2": 1.0}
+    from megatron_jf.eval.search import fit_quadratic_surface
+
+    assert fit_quadratic_surface([(0, 0, 1.0)]) == {"terms": ["1"], "coef": [1.0], "r2": 1.0}
 
 
 def test_evaluate_bf16_lossless_in_its_precision_and_keyed_apart(ckpt, tmp_path, monkeypatch, capsys):
