@@ -115,3 +115,27 @@ def dp_rank() -> int:
     from megatron.core import parallel_state as ps
 
     return ps.get_data_parallel_rank() if ps.model_parallel_is_initialized() else 0
+
+
+def broadcast_object(obj):
+    """``obj`` from global rank 0 on every rank (a picklable object; itself when not distributed)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_objects(obj) -> list:
+    """Every rank's ``obj``, in rank order, on every rank (``[obj]`` when not distributed)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing when not distributed)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

@@ -124,19 +124,11 @@ def _tool(name):
     return load_tool(name, "_ckerr")
 
 
-def _exit_message(fn):
-    """The one-line message of a tool that exits with ``SystemExit(message)``."""
-    with pytest.raises(SystemExit) as e:
-        fn()
-    assert isinstance(e.value.code, str), e.value.code
-    return e.value.code
-
-
 def _run_generate_trajectories(ck, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"id": "a", "prompt_ids": [1, 2, 3]}\n')
-    msg = _exit_message(lambda: _tool("generate_trajectories").main(
-        ["--prompts", str(prompts), "--load", ck, "--out", str(tmp_path / "traj"), "--no-progress"]))
+    msg = _returns_2("generate_trajectories", lambda ck, t: ["--prompts", str(prompts), "--load", ck, "--out",
+                                                            str(t / "traj"), "--no-progress"])(ck, tmp_path, capsys)
     assert not (tmp_path / "traj").exists()  # stopped before any output
     return msg
 

@@ -4,7 +4,6 @@ import os
 import shlex
 import shutil
 import subprocess
-import sys
 
 import pytest
 
@@ -34,10 +33,12 @@ def _parse(cmd):
         from megatron_jf.training.config import parse_config
 
         return name, parse_config(argv)
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    import generate_trajectories
+    from megatron_jf.commands import collect
 
-    return name, generate_trajectories.parse_args(argv)
+    p = collect.build_parser()
+    args = p.parse_args(argv)
+    collect.check_args(p, args)
+    return name, args
 
 
 def test_h200_script_runs_the_papers_two_rounds(tmp_path):

@@ -4,8 +4,6 @@
 Usage: torchrun --nproc_per_node 2 tests/dist/collect_2ranks.py CKPT PROMPTS OUT_DP OUT_TP
 Prints "DONE <rank>" on each rank at the end.
 """
-import importlib.util
-import os
 import sys
 
 
@@ -14,11 +12,7 @@ def main():
     from megatron_jf import parallel
 
     parallel.initialize(1, 1)  # the process group outlives both tool runs
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    spec = importlib.util.spec_from_file_location("generate_trajectories",
-                                                  os.path.join(repo, "tools", "generate_trajectories.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    from megatron_jf.commands import collect as tool
     common = ["--prompts", prompts, "--load", ckpt, "--block-size", "4", "--max-new-tokens", "16",
               "--batch-size", "3", "--draft-init", "repeat", "--max-records-per-shard", "2", "--no-filter",
               "--no-progress"]
