@@ -34,8 +34,9 @@ def model_provider(model_args, cfg: TrainConfig):
     run's activation-recomputation settings (``--recompute-*``) and layer spec (``--transformer-impl``)."""
     from megatron_jf.models.gpt import build_model
 
-    return build_model(model_args, recompute=cfg.recompute_kwargs(), sequence_parallel=cfg.sequence_parallel,
-                       transformer_impl=cfg.transformer_impl)
+    return build_model(model_args, recompute=cfg.recompute.kwargs(),
+                       sequence_parallel=cfg.parallel.sequence_parallel,
+                       transformer_impl=cfg.runtime.transformer_impl)
 
 
 def loss_func(batch, loss_cfg, vocab_size: int, output_tensor: torch.Tensor):
@@ -43,7 +44,7 @@ def loss_func(batch, loss_cfg, vocab_size: int, output_tensor: torch.Tensor):
 
     Args:
         batch: the :class:`~megatron_jf.training.attention_paths.JFBatch` the output came from.
-        loss_cfg: :class:`~megatron_jf.training.losses.LossConfig`.
+        loss_cfg: :class:`~megatron_jf.training.config.JFObjective` (the loss options).
         vocab_size: real vocabulary size (padding columns excluded).
         output_tensor: vocab-parallel logits ``[R, S, V_local]``.
 
@@ -103,14 +104,14 @@ def forward_step(data_iterator, model, *, cfg: TrainConfig):
 
     batch = next(data_iterator).to(platform.default_device())
     vocab = unwrap(model).vocab_size_unpadded
-    if cfg.objective == "ar":
+    if cfg.dataset.objective == "ar":
         output = model(batch.tokens, batch.position_ids, None, runtime_gather_output=False)
         return output, partial(ar_loss_func, batch, vocab)
     from megatron_jf.training.output_head import forward_loss_rows, output_weight
 
-    loss_cfg = cfg.loss_config()
+    loss_cfg = cfg.jf
     rows = forward_loss_rows(model, batch, with_teacher=loss_cfg.consistency_loss != "hard")
-    return rows, partial(rows_loss_func, batch, loss_cfg, vocab, output_weight(model), cfg.loss_chunk_size)
+    return rows, partial(rows_loss_func, batch, loss_cfg, vocab, output_weight(model), cfg.jf.loss_chunk_size)
 
 
 def train_valid_datasets_provider(cfg: TrainConfig, model_args):
@@ -128,23 +129,24 @@ def train_valid_datasets_provider(cfg: TrainConfig, model_args):
 
     rank, world = parallel.dp_rank(), parallel.dp_size()
     seq = effective_seq_length(cfg, model_args.max_position_embeddings)
-    if cfg.sequence_parallel and (cfg.objective == "ar" or cfg.pad_rows_to_seq_length) and seq % cfg.tp:
-        raise ValueError(f"--sequence-parallel splits every row over --tp {cfg.tp}: --seq-length {seq} must be a "
+    data, tp = cfg.dataset, cfg.parallel.tp
+    if cfg.parallel.sequence_parallel and (data.objective == "ar" or cfg.pad_rows_to_seq_length) and seq % tp:
+        raise ValueError(f"--sequence-parallel splits every row over --tp {tp}: --seq-length {seq} must be a "
                          "multiple of it")
-    if cfg.objective == "ar":
+    if data.objective == "ar":
         from megatron_jf.data.text import TokenChunkDataset, collate_text
 
         tok = None
-        if cfg.tokenizer:
+        if data.tokenizer:
             from megatron_jf.tokenizer import load_tokenizer
 
-            tok = load_tokenizer(cfg.tokenizer)
+            tok = load_tokenizer(data.tokenizer)
         if seq > model_args.max_position_embeddings:
             raise ValueError(f"--seq-length {seq} exceeds the model's context of {model_args.max_position_embeddings}")
 
         def make(paths, shuffle):
             return DatasetSpec(TokenChunkDataset(paths, seq, tokenizer=tok, vocab_size=model_args.vocab_size,
-                                                 seed=cfg.seed, shuffle=shuffle, rank=rank, world_size=world),
+                                                 seed=cfg.runtime.seed, shuffle=shuffle, rank=rank, world_size=world),
                                collate_text)
     else:
         from megatron_jf.data.dataset import LENGTH_GROUP_MICRO_BATCHES, TrajectoryDataset
@@ -152,22 +154,23 @@ def train_valid_datasets_provider(cfg: TrainConfig, model_args):
 
         pad = model_args.pad_token_id if model_args.pad_token_id is not None else (
             model_args.eos_token_ids[0] if model_args.eos_token_ids else 0)
-        collate = partial(build_jf_batch, path=cfg.attention_path, mask=cfg.mask, window_size=cfg.window_size,
+        collate = partial(build_jf_batch, path=cfg.jf.attention_path, mask=cfg.jf.mask, window_size=data.window_size,
                           pad_id=int(pad), pad_to=seq if cfg.pad_rows_to_seq_length else None, max_len=seq,
-                          pad_to_multiple_of=math.lcm(8, cfg.tp), max_position=model_args.max_position_embeddings,
+                          pad_to_multiple_of=math.lcm(8, tp), max_position=model_args.max_position_embeddings,
                           vocab_size=model_args.vocab_size)
 
         def make(paths, shuffle):
-            ds = TrajectoryDataset(paths, window_size=cfg.window_size, schedule=cfg.noise_schedule, seed=cfg.seed,
-                                   consistency=cfg.consistency_positions, block_size=cfg.block_size,
+            ds = TrajectoryDataset(paths, window_size=data.window_size, schedule=data.noise_schedule,
+                                   seed=cfg.runtime.seed, consistency=data.consistency_positions,
+                                   block_size=data.block_size,
                                    shuffle=shuffle, rank=rank, world_size=world, remainder="drop", batch_size=1,
-                                   resample_noise_per_epoch=cfg.resample_noise_per_epoch and shuffle,
-                                   length_group_size=LENGTH_GROUP_MICRO_BATCHES * cfg.micro_batch_size
-                                   if cfg.group_by_length and shuffle else 0,
-                                   micro_batch_size=cfg.micro_batch_size)
+                                   resample_noise_per_epoch=data.resample_noise_per_epoch and shuffle,
+                                   length_group_size=LENGTH_GROUP_MICRO_BATCHES * cfg.optim.micro_batch_size
+                                   if data.group_by_length and shuffle else 0,
+                                   micro_batch_size=cfg.optim.micro_batch_size)
             ds.read_record(0)  # fail fast on a block-size mismatch or an unreadable first record
             return DatasetSpec(ds, collate)
-    return make(cfg.data, True), (make(cfg.valid_data, False) if cfg.valid_data else None)
+    return make(data.data, True), (make(data.valid_data, False) if data.valid_data else None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:  # arguments and the --load path first: answered before torch and megatron-core are imported
         cfg = parse_config(argv)
-        check_load_dir(cfg.load)
-        if cfg.precision == "bf16":  # refused on a CPU without native bf16 before megatron-core is imported
+        check_load_dir(cfg.model.load)
+        if cfg.runtime.precision == "bf16":  # refused on a CPU without native bf16 before megatron-core is imported
             import torch
 
             if not torch.cuda.is_available():

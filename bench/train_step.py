@@ -121,7 +121,7 @@ def main(argv=None):
     from megatron_jf.models.hf_config import ModelArgs
     from megatron_jf.models.zoo import tiny_hf_config
     from megatron_jf.training.attention_paths import build_jf_batch, jf_forward
-    from megatron_jf.training.losses import DEFAULT_LOSS_CHUNK, LossConfig, ar_loss, jf_loss, loss_temporary_bytes
+    from megatron_jf.training.losses import DEFAULT_LOSS_CHUNK, JFObjective, ar_loss, jf_loss, loss_temporary_bytes
     from megatron_jf.training.memstats import peak_bytes
     from megatron_jf.training.output_head import forward_loss_rows, head_loss, output_weight
 
@@ -135,7 +135,7 @@ def main(argv=None):
     model = build_model(args)
     dev = platform.default_device()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    cfg = LossConfig()
+    cfg = JFObjective()
     recs = [make_record(i, prompt_len=a.prompt, block_size=a.block_size, num_blocks=a.blocks, vocab=a.vocab)
             for i in range(a.batch)]
     packed = [pack_record(r, "progressive", a.blocks) for r in recs]

@@ -33,6 +33,7 @@ import inspect
 import re
 import typing
 
+from megatron_jf.config_fields import check_choices, is_part, leaves
 
 #: The option strings of one concept (first: ours, then Megatron-LM's, then vLLM's).
 TP_FLAGS = ("--tp", "--tensor-model-parallel-size", "--tensor-parallel-size")
@@ -480,7 +481,8 @@ def add_dataclass_arguments(group, cls, *, only: typing.Sequence[str] | None = N
                             defaults: typing.Mapping[str, object] | None = None,
                             grids: typing.Mapping[str, typing.Sequence] | None = None,
                             groups: typing.Sequence[tuple[str, str]] | None = None,
-                            prefix: str = "") -> dict[str, argparse.Action]:
+                            prefix: str = "",
+                            helps: typing.Mapping[str, str] | None = None) -> dict[str, argparse.Action]:
     """Add one flag per field of dataclass ``cls`` (``dest`` = the field name), as Megatron-LM's
     ``ArgumentGroupFactory`` does: the type from the annotation (``int``/``float``/``str``; ``bool`` ->
     ``--x/--no-x``; ``list[T]`` -> one or more values), the default from the field (or ``defaults``), the help
@@ -495,6 +497,14 @@ def add_dataclass_arguments(group, cls, *, only: typing.Sequence[str] | None = N
         groups: ``[(first field, title), ...]``: a new argument group of ``group`` starts at each named field.
         prefix: put before every flag and ``dest`` (``inference-``: ``--inference-forward``, ``dest``
             ``inference_forward``); aliases are kept as written.
+        helps: ``{field: help}`` replacing a field's docstring as its help (a command's own wording of the same
+            concept: the flag is still the field's definition).
+
+    A field holding a nested config dataclass (:func:`~megatron_jf.config_fields.part`) adds that dataclass's fields
+    in an argument group of its own (a group of ``group`` when ``group`` is a parser); ``only`` / ``skip`` /
+    ``choices`` / ``defaults`` name the nested fields directly (their ``dest`` names are flat). A part none of whose
+    fields is offered adds no group. :func:`dataclass_from_args` builds the nested dataclass back, :func:`to_argv`
+    is the inverse.
 
     Returns:
         ``{field: action}``.
@@ -506,16 +516,24 @@ def add_dataclass_arguments(group, cls, *, only: typing.Sequence[str] | None = N
     module = inspect.getmodule(cls)
     starts = dict((name, title) for name, title in (groups or ()))
     target, actions = group, {}
-    names = [f for f in dataclasses.fields(cls) if (only is None or f.name in only) and f.name not in skip]
+    names = [f for f in dataclasses.fields(cls)
+             if is_part(f) or ((only is None or f.name in only) and f.name not in skip)]
     for f in names:
         if f.name in starts:
             target = group.add_argument_group(starts[f.name])
+        if is_part(f):  # a nested config: its own argument group, flat dest names
+            if not any((only is None or g.name in only) and g.name not in skip for _, g in leaves(f.default_factory)):
+                continue
+            title = f.metadata.get("cli", {}).get("title") or f.name
+            sub = group.add_argument_group(title) if isinstance(group, argparse.ArgumentParser) else target
+            actions.update(add_dataclass_arguments(sub, f.default_factory, only=only, skip=skip, choices=choices,
+                                                   defaults=defaults, grids=grids, prefix=prefix, helps=helps))
+            continue
         meta = dict(f.metadata.get("cli", {}))
-        shared = meta.pop("option", None)  # the name of a shared :class:`Option` of this module (``"TP"``)
-        shared = globals()[shared] if shared else None
+        shared = _shared_option(meta.pop("option", None))
         aliases = tuple(meta.pop("aliases", ()))
         const_aliases = meta.pop("const_aliases", {})
-        doc = docs.get(f.name)
+        doc = (helps or {}).get(f.name) or docs.get(f.name)
         if not doc:
             raise ValueError(f"{cls.__name__}.{f.name} has no docstring: it is the flag's --help")
         if f.default is not dataclasses.MISSING:
@@ -564,6 +582,87 @@ def add_dataclass_arguments(group, cls, *, only: typing.Sequence[str] | None = N
                 help=f"the spelling of {opts[0]} {const} Megatron-LM users know (default: off: {opts[0]}'s default)"))
         mark(made, shared or f)
     return actions
+
+
+def _shared_option(name: str | None) -> "Option | None":
+    """The shared :class:`Option` a field names (``cli_field(option="TP")``), or None."""
+    return globals()[name] if name else None
+
+
+def dataclass_from_args(cls, args, *, prefix: str = ""):
+    """The ``cls`` instance of parsed :func:`add_dataclass_arguments` flags: each field from the namespace's
+    attribute of its ``dest`` (``prefix`` + name), nested parts built the same way; fields the parser did not offer
+    keep the dataclass's defaults. Raises what ``cls(...)`` raises (its own checks)."""
+    dest = prefix.replace("-", "_")
+    kw = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if is_part(f):
+            kw[f.name] = dataclass_from_args(f.default_factory, args, prefix=prefix)
+        elif hasattr(args, dest + f.name):
+            kw[f.name] = getattr(args, dest + f.name)
+    return cls(**kw)
+
+
+def to_argv(cfg, *, defaults: bool = False, prefix: str = "") -> list[str]:
+    """The command line that parses back to ``cfg``: the inverse of :func:`add_dataclass_arguments` (+
+    :func:`dataclass_from_args`), so ``dataclass_from_args(type(cfg), parser.parse_args(to_argv(cfg))) == cfg``
+    for a parser made by ``add_dataclass_arguments(parser, type(cfg))`` with no ``defaults`` override.
+
+    One flag per field whose value differs from the field's default (``defaults=True``: every field), in declaration
+    order, nested parts expanded in place; required fields always. Spellings: the field's own flag (a shared
+    :class:`Option`'s first spelling; never an alias or a ``const_aliases`` switch); ``bool`` -> ``--x`` /
+    ``--no-x``; a tristate -> ``auto``/``on``/``off``; a list -> the flag and its values; a float as ``repr``
+    (exact); a value starting with ``-`` as ``--x=value``.
+
+    Raises:
+        ValueError: a value the command line cannot spell: None where the flag's default is not None, an empty
+            list, a list element starting with ``-``, or a value outside the field's ``choices``.
+    """
+    check_choices(cfg)
+    argv: list[str] = []
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if is_part(f):
+            argv += to_argv(v, defaults=defaults, prefix=prefix)
+            continue
+        meta = f.metadata.get("cli", {})
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = None
+        required = bool(meta.get("required"))
+        if v == default and type(v) is type(default) and not required and not defaults:
+            continue
+        shared = _shared_option(meta.get("option"))
+        flag = shared.flags[0] if shared is not None else flag_name(prefix + f.name)
+        if meta.get("tristate"):
+            argv += [flag, {None: "auto", True: "on", False: "off"}[v]]
+        elif isinstance(v, bool):
+            argv.append(flag if v else "--no-" + flag[2:])
+        elif isinstance(v, (list, tuple)):
+            if not v:
+                raise ValueError(f"{flag}: an empty list has no command-line form")
+            words = [_word(x) for x in v]
+            if any(w.startswith("-") for w in words):
+                raise ValueError(f"{flag}: a value starting with '-' cannot follow a list flag: {v!r}")
+            argv += [flag, *words]
+        elif v is None:
+            if default is not None or required:
+                raise ValueError(f"{flag}: None has no command-line form (the flag's default is {default!r})")
+            if defaults:
+                continue  # None is the default: nothing to write
+        else:
+            w = _word(v)
+            argv += [f"{flag}={w}"] if w.startswith("-") else [flag, w]
+    return argv
+
+
+def _word(v) -> str:
+    return repr(v) if isinstance(v, float) else str(v)
 
 
 def one_of(label: str, allowed: typing.Sequence):

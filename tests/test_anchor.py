@@ -48,7 +48,7 @@ def _cfg(work, **over):
               progress=False, threads=1, seed=7, anchor_data=[os.path.join(work, "text.npy")], anchor_weight=0.5,
               anchor_seq_length=16, pc_weight=0.7, ar_weight=2.0)
     kw.update(over)
-    return TrainConfig(**kw)
+    return TrainConfig.from_flat(**kw)
 
 
 def _trainer(cfg, work):
@@ -95,8 +95,8 @@ def test_anchor_rows_leave_jf_logits_unchanged_and_loss_is_plain_ce(work, path, 
     direct = F.cross_entropy(out_text[..., :vocab].reshape(-1, vocab).float(), text.labels.reshape(-1))
     torch.testing.assert_close(gather_anchor_logits(out_both, both), out_text.reshape(-1, out_text.shape[-1]),
                                rtol=0, atol=1e-5)
-    loss_sum, count, rep = pretrain_jf.loss_func(both, cfg.loss_config(), vocab, out_both)
-    _, _, rep_jf = pretrain_jf.loss_func(jf, cfg.loss_config(), vocab, out_jf)
+    loss_sum, count, rep = pretrain_jf.loss_func(both, cfg.jf, vocab, out_both)
+    _, _, rep_jf = pretrain_jf.loss_func(jf, cfg.jf, vocab, out_jf)
     B = jf.num_samples
     assert int(count) == B and "anchor loss" not in rep_jf
     val = lambda r, k: float(r[k][0] / r[k][1])  # noqa: E731

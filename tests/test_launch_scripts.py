@@ -48,19 +48,20 @@ def test_h200_script_runs_the_papers_two_rounds(tmp_path):
     (_, t1), (_, r1), (_, t2), (_, r2) = parsed
     # trajectories: base model at n=16, then the round-1 model at n=32, max 2048 new tokens
     assert (t1.load, t1.block_size, t1.max_new_tokens) == ("ckpt/base", 16, 2048)
-    assert (t2.load, t2.block_size, t2.max_new_tokens) == (r1.save, 32, 2048)
+    assert (t2.load, t2.block_size, t2.max_new_tokens) == (r1.checkpoint.save, 32, 2048)
     # training rounds: (n, w) = (16, 16) then (32, 8), 10k steps each, on the matching trajectories
-    assert (r1.block_size, r1.window_size, r1.train_steps, r1.data, r1.load) == (16, 16, 10000, [t1.out], "ckpt/base")
-    assert (r2.block_size, r2.window_size, r2.train_steps, r2.data, r2.load) == (32, 8, 10000, [t2.out], r1.save)
+    for r, want in ((r1, (16, 16, 10000, [t1.out], "ckpt/base")), (r2, (32, 8, 10000, [t2.out], r1.checkpoint.save))):
+        assert (r.dataset.block_size, r.dataset.window_size, r.optim.train_steps, r.dataset.data, r.model.load) == want
     for r in (r1, r2):
-        assert r.lr == 1e-6 and r.global_batch_size == 4 and r.micro_batch_size == 1
-        assert r.noise_schedule == "progressive" and r.mask == "nc" and r.consistency_loss == "kl"
-        assert r.pc_weight == 1.0 and r.ar_weight == 1.0 and r.pc_normalization == "paper"
-        assert (r.tp, r.pp, r.sequence_parallel, r.use_distributed_optimizer) == (2, 1, True, True)
-        assert r.overlap_grad_reduce and r.overlap_param_gather
-        assert r.recompute_kwargs() == {"recompute_granularity": "full", "recompute_method": "uniform",
+        assert r.optim.lr == 1e-6 and r.optim.global_batch_size == 4 and r.optim.micro_batch_size == 1
+        assert r.dataset.noise_schedule == "progressive" and r.jf.mask == "nc" and r.jf.consistency_loss == "kl"
+        assert r.jf.pc_weight == 1.0 and r.jf.ar_weight == 1.0 and r.jf.pc_normalization == "paper"
+        par = r.parallel
+        assert (par.tp, par.pp, par.sequence_parallel, par.use_distributed_optimizer) == (2, 1, True, True)
+        assert r.parallel.overlap_grad_reduce and r.parallel.overlap_param_gather
+        assert r.recompute.kwargs() == {"recompute_granularity": "full", "recompute_method": "uniform",
                                         "recompute_num_layers": 1}
-        assert r.precision == "bf16" and r.use_megatron_optimizer
+        assert r.runtime.precision == "bf16" and r.parallel.use_megatron_optimizer
     assert "global batch" not in out.split("batch:")[0]  # one node: DP 4 x 1 = the paper's 4, nothing changed
     assert "4 samples per step = 1 microbatch(es) x 1 x DP 4" in out
 
@@ -68,7 +69,7 @@ def test_h200_script_runs_the_papers_two_rounds(tmp_path):
 def test_h200_script_announces_a_forced_global_batch_change(tmp_path):
     out, cmds = _dry(H200, WORK=str(tmp_path), NNODES="2")
     assert "note: global batch 4 -> 8" in out and "8 x 1 on 16 GPUs" in out
-    assert {_parse(c)[1].global_batch_size for c in cmds if _split(c)[0] == "pretrain_jf.py"} == {8}
+    assert {_parse(c)[1].optim.global_batch_size for c in cmds if _split(c)[0] == "pretrain_jf.py"} == {8}
     # a global batch that allows it runs several microbatches per step
     out, cmds = _dry(H200, WORK=str(tmp_path), GLOBAL_BATCH="16")
     assert "16 samples per step = 4 microbatch(es) x 1 x DP 4" in out and "note:" not in out
@@ -82,14 +83,14 @@ def test_h200_script_skips_finished_stages_and_passes_extra_flags(tmp_path):
     names = [_split(c)[0] for c in cmds]
     assert names == ["generate_trajectories.py", "pretrain_jf.py"]
     cfg = _parse(cmds[1])[1]
-    assert cfg.block_size == 32 and cfg.eval_interval == 100 and cfg.valid_data == ["v"]
+    assert cfg.dataset.block_size == 32 and cfg.logging.eval_interval == 100 and cfg.dataset.valid_data == ["v"]
     assert not (tmp_path / "traj2.done").exists()  # a dry run marks nothing done
 
 
 def test_h200_script_official_code_values_are_one_switch_away(tmp_path):
     _, cmds = _dry(H200, WORK=str(tmp_path), AR_WEIGHT="10", PC_NORMALIZATION="reference", LR="1e-5")
     cfg = _parse(cmds[1])[1]
-    assert (cfg.ar_weight, cfg.pc_normalization, cfg.lr) == (10.0, "reference", 1e-5)
+    assert (cfg.jf.ar_weight, cfg.jf.pc_normalization, cfg.optim.lr) == (10.0, "reference", 1e-5)
 
 
 @pytest.mark.parametrize("nproc,gbs", [("1", 4), ("4", 4), ("3", 6)])
@@ -98,10 +99,12 @@ def test_progressive_script_defaults_to_the_paper(tmp_path, nproc, gbs):
     parsed = [_parse(c) for c in cmds]
     assert [n for n, _ in parsed] == ["generate_trajectories.py", "pretrain_jf.py"] * 2
     (_, t1), (_, r1), (_, t2), (_, r2) = parsed
-    assert (t1.block_size, r1.block_size, r1.window_size, t2.block_size, r2.block_size, r2.window_size) == (
+    assert (t1.block_size, r1.dataset.block_size, r1.dataset.window_size, t2.block_size, r2.dataset.block_size,
+            r2.dataset.window_size) == (
         16, 16, 16, 32, 32, 8)
-    assert t1.max_new_tokens == 2048 and r1.lr == 1e-6 and r2.load == r1.save and t2.load == r1.save
-    assert r1.global_batch_size == gbs and (("note: global batch 4 -> 6" in out) == (gbs == 6))
+    assert t1.max_new_tokens == 2048 and r1.optim.lr == 1e-6
+    assert r2.model.load == r1.checkpoint.save and t2.load == r1.checkpoint.save
+    assert r1.optim.global_batch_size == gbs and (("note: global batch 4 -> 6" in out) == (gbs == 6))
 
 
 # ---- which Python the example scripts run (issue 25: a fresh clone has no `python` with torch on PATH)

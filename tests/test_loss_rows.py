@@ -93,10 +93,10 @@ def models(mp1):
 ])
 def test_loss_rows_equal_full_rows(models, path, kind, norm, chunk):
     from megatron_jf.training.attention_paths import build_jf_batch
-    from megatron_jf.training.losses import LossConfig
+    from megatron_jf.training.losses import JFObjective
 
     model, args = models["untied"]
-    cfg = LossConfig(consistency_loss=kind, temperature=1.5 if kind == "soft_ce" else 1.0, pc_normalization=norm,
+    cfg = JFObjective(consistency_loss=kind, kl_temperature=1.5 if kind == "soft_ce" else 1.0, pc_normalization=norm,
                      ar_weight=0.7)
     batch = build_jf_batch(_packed(), path=path, mask="nc_ic" if path == "dense" else "nc", window_size=2)
     old = old_step(model, batch, cfg, args.vocab_size)
@@ -112,7 +112,7 @@ def test_loss_rows_tied_weights_with_anchor_rows(models):
     """Tied output weight (gradient from the embedding and the output layer) and anchor CE rows."""
     from megatron_jf.data.text import TextBatch
     from megatron_jf.training.attention_paths import append_anchor_rows, build_jf_batch
-    from megatron_jf.training.losses import LossConfig
+    from megatron_jf.training.losses import JFObjective
 
     model, args = models["tied"]
     g = torch.Generator().manual_seed(4)
@@ -120,7 +120,7 @@ def test_loss_rows_tied_weights_with_anchor_rows(models):
     lab = torch.randint(0, args.vocab_size - 1, (2, 9), generator=g)
     lab[1, :3] = -100
     text = TextBatch(tokens=tok, labels=lab, position_ids=torch.arange(9).expand(2, 9).clone())
-    cfg = LossConfig(anchor_weight=0.4)
+    cfg = JFObjective(anchor_weight=0.4)
     batch = append_anchor_rows(build_jf_batch(_packed(2), path="two_stream", mask="nc"), text)
     assert_same(old_step(model, batch, cfg, args.vocab_size), new_step(model, batch, cfg, args.vocab_size, 6))
 
@@ -234,8 +234,8 @@ def test_trainer_flags_parse_and_reject_bad_values(tmp_path):
 
     base = ["--hf-config", str(tmp_path), "--data", str(tmp_path), "--train-steps", "1", "--block-size", "4"]
     cfg = parse_config(base + ["--tp", "2", "--sequence-parallel", "--loss-chunk-size", "256"])
-    assert cfg.sequence_parallel and cfg.loss_chunk_size == 256
-    assert parse_config(base).loss_chunk_size == 1024 and not parse_config(base).sequence_parallel
+    assert cfg.parallel.sequence_parallel and cfg.jf.loss_chunk_size == 256
+    assert parse_config(base).jf.loss_chunk_size == 1024 and not parse_config(base).parallel.sequence_parallel
     with pytest.raises(ValueError, match="--sequence-parallel needs --tp > 1"):
         parse_config(base + ["--sequence-parallel"])
     with pytest.raises(ValueError, match="--loss-chunk-size must be >= 0"):
@@ -263,7 +263,7 @@ def test_trainer_evaluate_equals_full_row_reference(tmp_path, mp1):
     recs = [make_record(300 + i, prompt_len=4 + i % 3, block_size=4, num_blocks=3, vocab=255) for i in range(6)]
     write_shards(os.path.join(d, "train"), recs[:4], per_shard=2)
     write_shards(os.path.join(d, "valid"), recs[4:], per_shard=2)
-    cfg = TrainConfig(hf_config=os.path.join(d, "hf"), data=[os.path.join(d, "train")],
+    cfg = TrainConfig.from_flat(hf_config=os.path.join(d, "hf"), data=[os.path.join(d, "train")],
                       valid_data=[os.path.join(d, "valid")], block_size=4, window_size=2, train_steps=1,
                       micro_batch_size=1, lr=1e-3, warmup_steps=0, progress=False, threads=1, loss_chunk_size=3)
     tr = Trainer(cfg, hf_weights_provider(os.path.join(d, "hf")), partial(pretrain_jf.forward_step, cfg=cfg),
@@ -273,7 +273,7 @@ def test_trainer_evaluate_equals_full_row_reference(tmp_path, mp1):
     tot = cnt = correct = pairs = 0.0
     with torch.no_grad():
         for batch in eval_batches(tr.valid_spec, 1, 2):
-            loss, rep = jf_loss(jf_forward(model, batch), cfg.loss_config())
+            loss, rep = jf_loss(jf_forward(model, batch), cfg.jf)
             tot, cnt = tot + loss.item(), cnt + batch.num_samples
             correct, pairs = correct + rep["noisy acc"][0].item(), pairs + rep["noisy acc"][1].item()
     assert cnt == 2 and abs(got["loss"] - tot / cnt) <= 1e-5 * abs(tot / cnt), (got, tot / cnt)

@@ -85,7 +85,7 @@ def _hand_batch(seed=0, V=37, pad=3):
     ("hard", "paper", 1.0, 2.0, 1.0),
 ])
 def test_loss_equals_definition(mp1, kind, norm, tau, pc_w, ar_w):
-    from megatron_jf.training.losses import JFLossInputs, LossConfig, jf_loss
+    from megatron_jf.training.losses import JFLossInputs, JFObjective, jf_loss
 
     h = _hand_batch()
     V = h["V"]
@@ -95,7 +95,7 @@ def test_loss_equals_definition(mp1, kind, norm, tau, pc_w, ar_w):
     inp = JFLossInputs(student_logits=s, teacher_logits=t, pc_targets=h["pc_targets"], pair_sample=h["pair_sample"],
                        pair_block=h["pair_block"], ar_logits=a, ar_targets=h["ar_targets"], ar_sample=h["ar_sample"],
                        num_blocks=h["num_blocks"], vocab_size=V)
-    cfg = LossConfig(consistency_loss=kind, temperature=tau, pc_weight=pc_w, ar_weight=ar_w, pc_normalization=norm)
+    cfg = JFObjective(consistency_loss=kind, kl_temperature=tau, pc_weight=pc_w, ar_weight=ar_w, pc_normalization=norm)
     loss, report = jf_loss(inp, cfg)
     loss.backward()
 
@@ -132,12 +132,12 @@ def test_kl_is_zero_iff_distributions_match(mp1):
     assert (diff - ent).abs().max() <= 1e-5
 
 
-def test_loss_config_rejects_bad_values():
-    from megatron_jf.training.losses import LossConfig
+def test_jf_objective_rejects_bad_loss_values():
+    from megatron_jf.training.losses import JFObjective
 
-    for kw in ({"consistency_loss": "mse"}, {"pc_normalization": "x"}, {"temperature": 0.0}, {"ar_weight": -1.0}):
+    for kw in ({"consistency_loss": "mse"}, {"pc_normalization": "x"}, {"kl_temperature": 0.0}, {"ar_weight": -1.0}):
         with pytest.raises(ValueError):
-            LossConfig(**kw)
+            JFObjective(**kw)
 
 
 # ----------------------------------------------------------------------------- attention paths
@@ -207,12 +207,12 @@ def test_model_loss_equals_definition_from_causal_streams(tiny, path):
     forwards per sample (student = noisy stream at response token r, teacher = clean stream at r, both
     predicting response[r+1]; AR = clean stream from the last prompt token)."""
     from megatron_jf.training.attention_paths import build_jf_batch, jf_forward
-    from megatron_jf.training.losses import LossConfig, jf_loss
+    from megatron_jf.training.losses import JFObjective, jf_loss
 
     model, args = tiny
     recs = _records()
     packed = _pack(recs)
-    cfg = LossConfig(consistency_loss="kl", temperature=1.0, pc_weight=1.0, ar_weight=0.7)
+    cfg = JFObjective(consistency_loss="kl", kl_temperature=1.0, pc_weight=1.0, ar_weight=0.7)
     with torch.no_grad():
         loss, report = jf_loss(jf_forward(model, build_jf_batch(packed, path=path, mask="nc")), cfg)
         S, T, A, pc_t, ar_t, ps, pb, as_ = [], [], [], [], [], [], [], []

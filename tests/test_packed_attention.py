@@ -171,12 +171,12 @@ def test_packed_logits_equal_two_stream_dense_and_causal(tiny):
 def test_packed_loss_and_grads_equal_two_stream(mp1):
     """One training forward/backward: loss and every parameter gradient equal the two-stream path."""
     from megatron_jf.training.attention_paths import build_jf_batch, jf_forward
-    from megatron_jf.training.losses import LossConfig, jf_loss
+    from megatron_jf.training.losses import JFObjective, jf_loss
 
     model, _ = tiny_mcore_model(seed=5)
     model.train()
     _, packed = _packed_samples()
-    cfg = LossConfig(consistency_loss="kl", temperature=1.0, pc_weight=1.0, ar_weight=0.7)
+    cfg = JFObjective(consistency_loss="kl", kl_temperature=1.0, pc_weight=1.0, ar_weight=0.7)
     res = {}
     for path in ("two_stream", "packed"):
         model.zero_grad(set_to_none=True)
@@ -252,12 +252,12 @@ def test_packed_other_masks_equal_dense(tiny, mask):
 
 def test_packed_nc_ic_loss_and_grads_equal_dense(mp1):
     from megatron_jf.training.attention_paths import build_jf_batch, jf_forward
-    from megatron_jf.training.losses import LossConfig, jf_loss
+    from megatron_jf.training.losses import JFObjective, jf_loss
 
     model, _ = tiny_mcore_model(seed=6)
     model.train()
     _, packed = _packed_samples()
-    cfg = LossConfig(consistency_loss="kl", temperature=1.0, pc_weight=1.0, ar_weight=0.7)
+    cfg = JFObjective(consistency_loss="kl", kl_temperature=1.0, pc_weight=1.0, ar_weight=0.7)
     res = {}
     for path in ("dense", "packed"):
         model.zero_grad(set_to_none=True)
@@ -409,7 +409,7 @@ def test_trainer_packed_path_matches_two_stream(mp1, tmp_path):
     write_shards(os.path.join(d, "train"), recs, per_shard=2)
     hist = {}
     for path, mask in (("two_stream", "nc"), ("packed", "nc"), ("dense", "nc_ic"), ("packed", "nc_ic")):
-        cfg = TrainConfig(hf_config=os.path.join(d, "hf"), data=[os.path.join(d, "train")], block_size=4,
+        cfg = TrainConfig.from_flat(hf_config=os.path.join(d, "hf"), data=[os.path.join(d, "train")], block_size=4,
                           window_size=2, train_steps=3, micro_batch_size=2, global_batch_size=2, lr=2e-3,
                           warmup_steps=0, clip_grad=0.05, log_interval=100, progress=False, threads=1, seed=7,
                           attention_path=path, mask=mask)
@@ -425,7 +425,7 @@ def test_trainer_packed_path_matches_two_stream(mp1, tmp_path):
     base = dict(hf_config=os.path.join(d, "hf"), data=[os.path.join(d, "train")], block_size=4,
                 attention_path="packed", train_steps=1)
     with pytest.raises(ValueError, match="needs --pp 1"):
-        TrainConfig(**base, pp=2).validate()
+        TrainConfig.from_flat(**base, pp=2).validate()
 
 
 def test_packed_path_parallel_layouts_match_single_process_two_stream(mp1, tmp_path):

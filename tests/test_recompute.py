@@ -120,7 +120,7 @@ def test_recompute_options_reach_transformer_config_and_are_checked_against_the_
 
     cfg = parse_config(["--data", "x", "--train-steps", "1", "--block-size", "4", "--hf-config", "x",
                         "--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3"])
-    assert cfg.recompute_kwargs() == {"recompute_granularity": "full", "recompute_method": "block",
+    assert cfg.recompute.kwargs() == {"recompute_granularity": "full", "recompute_method": "block",
                                       "recompute_num_layers": 3}
     # uniform chunks of 3 do not tile 4 layers
     with pytest.raises(ValueError, match="does not divide the 4 layers"):

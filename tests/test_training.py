@@ -204,12 +204,13 @@ def test_pretrain_frees_its_model_before_returning(work):
 def test_lr_schedule_warmup_then_cosine():
     from megatron_jf.training.trainer import TrainConfig, lr_at
 
-    cfg = TrainConfig(data=["x"], block_size=4, train_steps=100, warmup_steps=10, lr=1e-3, min_lr=1e-4, hf_config="x")
+    cfg = TrainConfig.from_flat(data=["x"], block_size=4, train_steps=100, warmup_steps=10, lr=1e-3, min_lr=1e-4,
+                                hf_config="x")
     assert lr_at(1, cfg) == pytest.approx(1e-4) and lr_at(10, cfg) == pytest.approx(1e-3)
     assert lr_at(55, cfg) == pytest.approx(1e-4 + 0.5 * 9e-4)  # halfway through the decay
     assert lr_at(100, cfg) == pytest.approx(1e-4)
-    assert TrainConfig(data=["x"], block_size=4, train_steps=100, hf_config="x").validate() and \
-        lr_at(3, TrainConfig(data=["x"], train_steps=100, lr=1.0)) == pytest.approx(1.0)  # 3 warmup steps (3%)
+    assert TrainConfig.from_flat(data=["x"], block_size=4, train_steps=100, hf_config="x").validate()
+    assert lr_at(3, TrainConfig.from_flat(data=["x"], train_steps=100, lr=1.0)) == pytest.approx(1.0)  # 3 warmup (3%)
 
 
 def test_ar_objective_trains_on_token_ids(work, tmp_path):

@@ -39,16 +39,16 @@ def test_megatron_lm_aliases_parse_to_the_same_config(ours, megatron):
 
 def test_bf16_alias_does_not_override_an_explicit_precision_default():
     cfg = _parse([*BASE, "--data", "d", "--train-steps", "1"])
-    assert cfg.precision == "auto"
-    assert _parse([*BASE, "--data", "d", "--train-steps", "1", "--bf16"]).precision == "bf16"
+    assert cfg.runtime.precision == "auto"
+    assert _parse([*BASE, "--data", "d", "--train-steps", "1", "--bf16"]).runtime.precision == "bf16"
 
 
 def test_every_option_has_help_that_shows_its_default():
-    from megatron_jf.training.config import TrainConfig, build_parser
+    from megatron_jf.training.config import FIELD_PART, build_parser
 
     p = build_parser()
     fmt = p._get_formatter()
-    names = {f.name for f in __import__("dataclasses").fields(TrainConfig)}
+    names = set(FIELD_PART)
     seen = set()
     for action in p._actions:
         if isinstance(action, argparse._HelpAction):
@@ -70,8 +70,8 @@ def test_transformer_impl_flag():
     from megatron_jf import platform
 
     base = BASE + ["--data", "d", "--train-steps", "2"]
-    assert _parse(base).transformer_impl == "auto"
-    assert _parse(base + ["--transformer-impl", "local"]).transformer_impl == "local"
+    assert _parse(base).runtime.transformer_impl == "auto"
+    assert _parse(base + ["--transformer-impl", "local"]).runtime.transformer_impl == "local"
     if not (platform.HAVE_TE and platform.HAVE_CUDA):
         with pytest.raises(ValueError, match="--transformer-impl transformer_engine needs Transformer Engine"):
             _parse(base + ["--transformer-impl", "transformer_engine"])

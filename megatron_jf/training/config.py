@@ -1,8 +1,12 @@
 """Training configuration: every ``pretrain_jf.py`` option, its command line, and the LR schedule.
 
-* :class:`TrainConfig` holds every knob of a run, grouped by concern (no global mutable arguments). Each field's
-  docstring is its ``--help``: the command line is generated from the dataclass (:func:`build_parser`, as
-  Megatron-LM's ``ArgumentGroupFactory``), so help and documentation cannot diverge.
+* :class:`TrainConfig` holds every knob of a run (no global mutable arguments) in one part per concern, each a
+  dataclass that checks itself: :class:`ParallelConfig`, :class:`RuntimeConfig`, :class:`RecomputeConfig`,
+  :class:`ModelSource`, :class:`DataConfig`, :class:`JFObjective` (also the loss functions' configuration),
+  :class:`OptimConfig`, :class:`CheckpointConfig`, :class:`LoggingConfig`. Each field's docstring is its
+  ``--help``: the command line is generated from the parts, one argument group each (:func:`build_parser`, as
+  Megatron-LM's ``ArgumentGroupFactory``), so help and documentation cannot diverge, and a field's allowed values
+  are one tuple that both argparse and the part's check use (``cli_field(choices=...)``).
 * :func:`build_parser` / :func:`parse_config` are the command line (Megatron-LM flag names where the concept
   matches, e.g. ``--tensor-model-parallel-size`` for ``--tp``, and vLLM's ``--tensor-parallel-size``).
 * :func:`lr_at` is the learning rate of a step (linear warmup, then cosine decay).
@@ -18,9 +22,11 @@ import math
 from dataclasses import dataclass
 
 from megatron_jf import cli
-from megatron_jf.config_fields import cli_field
+from megatron_jf.config_fields import check_choices, cli_field, part
 
-__all__ = ["TrainConfig", "build_parser", "parse_config", "effective_seq_length", "lr_at"]
+__all__ = ["TrainConfig", "ParallelConfig", "RuntimeConfig", "RecomputeConfig", "ModelSource", "DataConfig",
+           "JFObjective", "OptimConfig", "CheckpointConfig", "LoggingConfig", "build_parser", "parse_config",
+           "config_from_args", "effective_seq_length", "lr_at"]
 
 OBJECTIVES = ("jf", "ar")
 #: ``flex`` (FlexAttention) is not offered: on CPU it is slower than SDPA with a dense mask, and the GPU path is
@@ -29,7 +35,7 @@ ATTENTION_PATHS = ("two_stream", "dense", "packed")
 MASKS = ("nc", "nc_ic", "clean")
 NOISE_SCHEDULES = ("progressive", "reverse", "random")
 CONSISTENCY_POSITIONS = ("all", "from_first_diff")
-#: The consistency losses (:class:`~megatron_jf.training.losses.LossConfig`): KL (paper Eq. 8), the official
+#: The consistency losses (:attr:`JFObjective.consistency_loss`): KL (paper Eq. 8), the official
 #: code's soft cross-entropy, CE on the fixed-point tokens.
 CONSISTENCY_LOSSES = ("kl", "soft_ce", "hard")
 #: How L_pc is normalised: the paper's per-block mean then 1/N over blocks, or the official code's.
@@ -41,59 +47,23 @@ RECOMPUTE_METHODS = ("uniform", "block")
 #: megatron-core ``recompute_modules`` that apply to a dense (non-MoE, non-MLA) GPT layer.
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
 
-@dataclass(frozen=True)
-class LossConfig:
-    """Loss hyper-parameters (the sources of the defaults: :mod:`megatron_jf.training.losses`).
-
-    Attributes:
-        consistency_loss: ``"kl"`` | ``"soft_ce"`` | ``"hard"``.
-        temperature: softmax temperature ``tau > 0`` for ``"kl"``/``"soft_ce"``.
-        pc_weight: weight of L_pc (>= 0).
-        ar_weight: weight ``w`` of L_AR (>= 0).
-        pc_normalization: ``"paper"`` | ``"reference"``.
-        anchor_weight: weight ``lambda`` of the anchor term L_anchor (>= 0; 0 = off).
-
-    Raises:
-        ValueError: unknown loss kind or normalisation, non-positive temperature, negative weights.
-    """
-
-    consistency_loss: str = "kl"
-    temperature: float = 1.0
-    pc_weight: float = 1.0
-    ar_weight: float = 1.0
-    pc_normalization: str = "paper"
-    anchor_weight: float = 0.0
-
-    def __post_init__(self):
-        if self.consistency_loss not in CONSISTENCY_LOSSES:
-            raise ValueError(f"unknown consistency loss {self.consistency_loss!r}; expected one of {CONSISTENCY_LOSSES}")
-        if self.pc_normalization not in PC_NORMALIZATIONS:
-            raise ValueError(f"unknown pc normalization {self.pc_normalization!r}; expected one of {PC_NORMALIZATIONS}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if self.pc_weight < 0 or self.ar_weight < 0 or self.anchor_weight < 0:
-            raise ValueError(f"loss weights must be >= 0, got pc_weight={self.pc_weight}, ar_weight={self.ar_weight}, "
-                             f"anchor_weight={self.anchor_weight}")
+# ------------------------------------------------------------------------------------------ the parts
+def _need(cond, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
 
 
-
-#: ``(first field, title)`` of each ``--help`` group, in declaration order.
-GROUPS = (("tp", "parallelism and runtime"), ("recompute_granularity", "activation recomputation (Megatron-LM flags)"),
-          ("hf_config", "model"), ("objective", "data"), ("attention_path", "Jacobi Forcing objective"),
-          ("micro_batch_size", "optimisation"), ("save", "checkpointing"), ("log_interval", "logging and validation"))
+def _at_least_one(obj, *names: str) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        _need(v is None or v >= 1, f"--{name.replace('_', '-')} must be >= 1, got {v}")
 
 
 @dataclass
-class TrainConfig:
-    """Every knob of a training run, grouped by concern (the command line mirrors the groups).
+class ParallelConfig:
+    """Model parallelism and megatron's DDP / distributed optimizer."""
 
-    Defaults marked *official code* come from the official Jacobi Forcing training scripts (AdamW betas
-    (0.9, 0.95), eps 1e-8, effective weight decay 0.01, cosine schedule with 3% warmup, window 16); the paper
-    (Sec. 4.1) gives lr 1e-6 and batch size 4.
-    """
-
-    # --- parallelism / runtime
-    tp: int = cli_field(1, *cli.TP_FLAGS[1:])
+    tp: int = cli_field(1, option="TP")
     """Tensor-parallel size."""
     pp: int = cli_field(1, *cli.PP_FLAGS[1:])
     """Pipeline-parallel size (data-parallel size = world / (tp * pp))."""
@@ -112,19 +82,49 @@ class TrainConfig:
     sequence_parallel: bool = False
     """Megatron-LM's sequence parallelism (needs --tp > 1): norms and residuals run on ``S / tp`` positions per TP
     rank (activations between the TP regions split over the TP group); loss rows are gathered from the shards."""
+
+    def validate(self) -> "ParallelConfig":
+        """Raises ValueError naming the offending option."""
+        _need(self.tp >= 1 and self.pp >= 1, f"--tp and --pp must be >= 1, got {self.tp}, {self.pp}")
+        _need(not self.sequence_parallel or self.tp > 1, "--sequence-parallel needs --tp > 1 (as in Megatron-LM)")
+        _need(not self.overlap_param_gather or (self.use_distributed_optimizer and self.overlap_grad_reduce),
+              "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (as in Megatron-LM)")
+        _need(self.ddp_bucket_size is None or self.ddp_bucket_size >= 1, "--ddp-bucket-size must be >= 1")
+        return self
+
+
+@dataclass
+class RuntimeConfig:
+    """Precision, threads, seed and layer implementation of the run."""
+
     precision: str = cli_field("auto", choices=PRECISIONS, const_aliases={"--bf16": "bf16"})
     """``auto`` (bf16 on GPU with the megatron optimizer, else fp32) | ``fp32`` | ``bf16`` (GPU: bf16 weights, fp32
     main weights in megatron's optimizer; CPU: fp32 weights and AdamW state, bf16 autocast compute, needs a CPU
     with AVX-512 BF16 or AMX; :mod:`megatron_jf.precision`)."""
-    threads: int | None = None
+    threads: int | None = cli_field(None, option="THREADS")
     """torch intra-op threads per process; default: torch's choice (OMP_NUM_THREADS, else one per core)."""
-    seed: int = 1234
+    seed: int = cli_field(1234, option="SEED")
     """Seed of weight init (from scratch), data order and the random noise schedule."""
     transformer_impl: str = cli_field("auto", choices=TRANSFORMER_IMPLS)
     """Layer spec (Megatron-LM's ``--transformer-impl``): ``transformer_engine`` (fused norm + projections; needs TE
     and CUDA), ``local`` (megatron-core's own modules) or ``auto`` (TE where present)."""
 
-    # --- activation recomputation (Megatron-LM's flags and meaning; megatron-core TransformerConfig fields)
+    def validate(self) -> "RuntimeConfig":
+        """Raises ValueError naming the offending option."""
+        check_choices(self)
+        _at_least_one(self, "threads")
+        if self.transformer_impl == "transformer_engine":
+            from megatron_jf import platform
+
+            _need(platform.HAVE_TE and platform.HAVE_CUDA,
+                  "--transformer-impl transformer_engine needs Transformer Engine and a CUDA device")
+        return self
+
+
+@dataclass
+class RecomputeConfig:
+    """Activation recomputation: Megatron-LM's flags and meaning (megatron-core ``TransformerConfig`` fields)."""
+
     recompute_granularity: str | None = cli_field(None, choices=RECOMPUTE_GRANULARITIES)
     """``full``: keep only each recomputed chunk's input and rerun whole layers in the backward; ``selective``:
     rerun only --recompute-modules (core attention); default: off, everything is saved."""
@@ -136,13 +136,51 @@ class TrainConfig:
     recompute_modules: list[str] | None = cli_field(None, choices=RECOMPUTE_MODULES)
     """``selective`` only: submodules to rerun; default: megatron-core's, ``core_attn``."""
 
-    # --- model
+    def validate(self) -> "RecomputeConfig":
+        """Raises ValueError naming the offending option."""
+        g, m, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        _need(g is None or g in RECOMPUTE_GRANULARITIES,
+              f"--recompute-granularity must be one of {RECOMPUTE_GRANULARITIES}, got {g!r}")
+        _need(m is None or m in RECOMPUTE_METHODS, f"--recompute-method must be one of {RECOMPUTE_METHODS}, got {m!r}")
+        _need(g is not None or (m is None and n is None and self.recompute_modules is None),
+              "--recompute-method/--recompute-num-layers/--recompute-modules need --recompute-granularity")
+        if g == "full":
+            _need(m is not None and n is not None,
+                  "--recompute-granularity full needs --recompute-method {uniform,block} and --recompute-num-layers N")
+            _need(n >= 1, f"--recompute-num-layers must be >= 1, got {n}")
+            _need(self.recompute_modules is None, "--recompute-modules applies to --recompute-granularity selective")
+        if g == "selective":
+            _need(n is None and m is None, "--recompute-method/--recompute-num-layers apply to "
+                  "--recompute-granularity full (selective recomputes --recompute-modules in every layer)")
+            bad = sorted(set(self.recompute_modules or ()) - set(RECOMPUTE_MODULES))
+            _need(not bad, f"--recompute-modules {bad} not supported (choose from {RECOMPUTE_MODULES})")
+        return self
+
+    def kwargs(self) -> dict:
+        """The megatron-core ``TransformerConfig`` fields of the recomputation options ({} when off)."""
+        if self.recompute_granularity is None:
+            return {}
+        kw = {"recompute_granularity": self.recompute_granularity, "recompute_method": self.recompute_method,
+              "recompute_num_layers": self.recompute_num_layers}
+        if self.recompute_modules is not None:
+            kw["recompute_modules"] = list(self.recompute_modules)
+        return kw
+
+
+@dataclass
+class ModelSource:
+    """Where the architecture and the initial weights come from."""
+
     hf_config: str | None = None
     """Directory with an HF ``config.json``: the architecture, for training from scratch."""
-    load: str | None = None
+    load: str | None = cli_field(None, option="LOAD")
     """Checkpoint to initialise the weights from (iteration 0; e.g. converted with tools/convert_hf.py)."""
 
-    # --- data
+
+@dataclass
+class DataConfig:
+    """Training data: the objective's data format, the JF noise schedule over the trajectories, row lengths."""
+
     objective: str = cli_field("jf", choices=OBJECTIVES)
     """``jf``: Jacobi Forcing on trajectory shards; ``ar``: next-token training on token data."""
     data: list[str] = cli_field(dataclasses.MISSING, "--data-path", default_factory=list, required=True)
@@ -178,12 +216,36 @@ class TrainConfig:
     """--pp > 1: each microbatch keeps its own row length (megatron-core ``variable_seq_lengths``: the pipeline
     stages exchange activation shapes before each send); --no-variable-seq-lengths pads every row to
     --seq-length."""
-    tokenizer: str | None = cli_field(None, *cli.TOKENIZER_FLAGS[1:])
+    tokenizer: str | None = cli_field(None, option="TOKENIZER")
     """Tokenizer directory (ar objective with JSONL text, anchor JSONL)."""
     num_workers: int = 0
     """DataLoader worker processes per rank (0: read in the training process)."""
 
-    # --- JF objective
+    def validate(self) -> "DataConfig":
+        """Raises ValueError naming the offending option."""
+        check_choices(self)
+        _need(bool(self.data), "--data is required")
+        _need(self.window_size >= 1, f"--window-size must be >= 1, got {self.window_size}")
+        _need(self.num_workers >= 0, "--num-workers must be >= 0")
+        _need(self.seq_length is None or self.seq_length >= 1, "--seq-length must be >= 1")
+        if self.objective == "jf":
+            _need(self.block_size is not None and self.block_size >= 1,
+                  "--block-size is required for --objective jf (the block size n of the trajectory shards)")
+        else:
+            _need(self.seq_length is not None, "--seq-length is required for --objective ar")
+        return self
+
+
+@dataclass
+class JFObjective:
+    """The Jacobi Forcing objective: attention path and mask, the loss (paper Eq. 8-9) and the anchor term. It is
+    also the loss functions' configuration (:func:`megatron_jf.training.losses.jf_loss`): constructing one checks
+    the loss values (kind, normalisation, temperature, weights).
+
+    Raises:
+        ValueError: unknown loss kind or normalisation, non-positive temperature, negative weights.
+    """
+
     attention_path: str = cli_field("two_stream", choices=ATTENTION_PATHS)
     """How the noisy and clean streams are attended: ``two_stream`` (exact for --mask nc, stock causal kernels),
     ``dense`` (an explicit mask, any --mask) or ``packed`` (both streams of every sample in one THD row, TE varlen
@@ -193,7 +255,8 @@ class TrainConfig:
     consistency_loss: str = cli_field("kl", choices=CONSISTENCY_LOSSES)
     """``kl`` (paper Eq. 8), ``soft_ce`` (official code) or ``hard`` (CE on the fixed-point tokens)."""
     kl_temperature: float = 1.0
-    """Softmax temperature of the consistency loss (official code's effective value: 1)."""
+    """Softmax temperature ``tau > 0`` of the consistency loss (``kl`` / ``soft_ce``; official code's effective
+    value: 1)."""
     pc_weight: float = 1.0
     """Weight of L_pc."""
     ar_weight: float = 1.0
@@ -215,7 +278,35 @@ class TrainConfig:
     anchor_micro_batch_size: int | None = None
     """Anchor text rows per JF microbatch; default: --micro-batch-size."""
 
-    # --- optimisation
+    def __post_init__(self):
+        check_choices(self)
+        _need(self.kl_temperature > 0, f"--kl-temperature must be > 0, got {self.kl_temperature}")
+        _need(self.pc_weight >= 0 and self.ar_weight >= 0 and self.anchor_weight >= 0,
+              f"loss weights must be >= 0, got --pc-weight {self.pc_weight}, --ar-weight {self.ar_weight}, "
+              f"--anchor-weight {self.anchor_weight}")
+
+    def validate(self) -> "JFObjective":
+        """The checks of a training run's objective (besides the loss values checked at construction).
+
+        Raises:
+            ValueError: naming the offending option.
+        """
+        self.__post_init__()
+        _need(self.loss_chunk_size >= 0, f"--loss-chunk-size must be >= 0, got {self.loss_chunk_size}")
+        _need(not (self.anchor_data and self.anchor_weight == 0),
+              "--anchor-data is given but --anchor-weight is 0 (the anchor term would be computed and ignored); "
+              "set --anchor-weight > 0 or drop --anchor-data")
+        _need(not (self.anchor_weight > 0 and not self.anchor_data), "--anchor-weight > 0 needs --anchor-data")
+        _need(self.anchor_seq_length >= 1, f"--anchor-seq-length must be >= 1, got {self.anchor_seq_length}")
+        _need(self.anchor_micro_batch_size is None or self.anchor_micro_batch_size >= 1,
+              f"--anchor-micro-batch-size must be >= 1, got {self.anchor_micro_batch_size}")
+        return self
+
+
+@dataclass
+class OptimConfig:
+    """Batch sizes, steps, the learning-rate schedule (:func:`lr_at`) and AdamW."""
+
     micro_batch_size: int = 1
     """Samples per microbatch per data-parallel rank (official code: 1)."""
     global_batch_size: int | None = None
@@ -240,7 +331,23 @@ class TrainConfig:
     clip_grad: float = 1.0
     """Global gradient-norm clip, 0 disables (official code: HF Trainer's 1.0)."""
 
-    # --- checkpointing
+    def validate(self) -> "OptimConfig":
+        """Raises ValueError naming the offending option."""
+        _need(self.train_steps >= 1, f"--train-steps must be >= 1, got {self.train_steps}")
+        _need(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
+        _need(self.global_batch_size is None or self.global_batch_size >= 1, "--global-batch-size must be >= 1")
+        _need(self.lr > 0 and 0 <= self.min_lr <= self.lr, f"need 0 <= --min-lr <= --lr and --lr > 0 "
+              f"(got lr={self.lr}, min_lr={self.min_lr})")
+        _need(self.warmup_steps is None or 0 <= self.warmup_steps <= self.train_steps,
+              f"--warmup-steps must be in [0, --train-steps], got {self.warmup_steps}")
+        _need(self.weight_decay >= 0 and self.clip_grad >= 0, "--weight-decay and --clip-grad must be >= 0")
+        return self
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving, resuming and stopping."""
+
     save: str | None = None
     """Checkpoint directory: saved every --save-interval steps and at the end; a run resumes from its latest
     checkpoint."""
@@ -255,7 +362,17 @@ class TrainConfig:
     exit_interval: int | None = None
     """Save and stop at a multiple of this iteration; default: never."""
 
-    # --- logging / validation
+    def validate(self) -> "CheckpointConfig":
+        """Raises ValueError naming the offending option."""
+        _at_least_one(self, "save_interval", "exit_interval", "keep_last")
+        _need(self.save_interval is None or self.save is not None, "--save-interval needs --save")
+        return self
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics output and validation."""
+
     log_interval: int = 10
     """Print metrics every this many steps."""
     eval_interval: int | None = None
@@ -269,142 +386,135 @@ class TrainConfig:
     progress: bool = True
     """Progress bar on rank 0."""
 
+    def validate(self) -> "LoggingConfig":
+        """Raises ValueError naming the offending option."""
+        _need(self.log_interval >= 1, "--log-interval must be >= 1")
+        _at_least_one(self, "eval_interval", "eval_iters")
+        return self
+
+
+# ------------------------------------------------------------------------------------------ the whole run
+@dataclass
+class TrainConfig:
+    """Every knob of a training run, one part per concern (the command line has one argument group per part, flags
+    unprefixed: ``--lr`` is ``cfg.optim.lr``).
+
+    Defaults marked *official code* come from the official Jacobi Forcing training scripts (AdamW betas
+    (0.9, 0.95), eps 1e-8, effective weight decay 0.01, cosine schedule with 3% warmup, window 16); the paper
+    (Sec. 4.1) gives lr 1e-6 and batch size 4. :meth:`from_flat` builds one from field names alone
+    (``TrainConfig.from_flat(lr=1e-4, data=[...])``), as checkpoints saved before the parts existed hold it.
+    """
+
+    parallel: ParallelConfig = part(ParallelConfig, "parallelism")
+    runtime: RuntimeConfig = part(RuntimeConfig, "runtime")
+    recompute: RecomputeConfig = part(RecomputeConfig, "activation recomputation (Megatron-LM flags)")
+    model: ModelSource = part(ModelSource, "model")
+    dataset: DataConfig = part(DataConfig, "data")
+    jf: JFObjective = part(JFObjective, "Jacobi Forcing objective")
+    optim: OptimConfig = part(OptimConfig, "optimisation")
+    checkpoint: CheckpointConfig = part(CheckpointConfig, "checkpointing")
+    logging: LoggingConfig = part(LoggingConfig, "logging and validation")
+
     # ------------------------------------------------------------------------------------------
-    def loss_config(self) -> LossConfig:
-        """The :class:`LossConfig` of the loss options (validates them)."""
-        return LossConfig(consistency_loss=self.consistency_loss, temperature=self.kl_temperature,
-                          pc_weight=self.pc_weight, ar_weight=self.ar_weight,
-                          pc_normalization=self.pc_normalization, anchor_weight=self.anchor_weight)
+    @classmethod
+    def from_flat(cls, **values) -> "TrainConfig":
+        """A config from flat field names (``lr=1e-4`` -> ``optim.lr``; the command line's ``dest`` names and the
+        pre-parts checkpoints' ``config``); the rest keep their defaults.
+
+        Raises:
+            TypeError: a name that is no field of any part.
+        """
+        unknown = set(values) - set(FIELD_PART)
+        if unknown:
+            raise TypeError(f"TrainConfig has no field {', '.join(sorted(unknown))}")
+        parts = {}
+        for f in dataclasses.fields(cls):
+            kw = {g.name: values[g.name] for g in dataclasses.fields(f.default_factory) if g.name in values}
+            parts[f.name] = f.default_factory(**kw)
+        return cls(**parts)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TrainConfig":
+        """The config :meth:`to_json` wrote, or the flat dict a checkpoint saved before the parts existed (its
+        common state's ``config``); keys no part knows (options since removed) are ignored."""
+        if all(isinstance(d.get(f.name), dict) for f in dataclasses.fields(cls)):
+            flat = {k: v for f in dataclasses.fields(cls) for k, v in d[f.name].items()}
+        else:
+            flat = dict(d)
+        return cls.from_flat(**{k: v for k, v in flat.items() if k in FIELD_PART})
+
+    def flat(self) -> dict:
+        """``{field name: value}`` over every part (the command line's ``dest`` names)."""
+        return {f.name: getattr(getattr(self, p.name), f.name) for p in dataclasses.fields(self)
+                for f in dataclasses.fields(getattr(self, p.name))}
 
     def validate(self) -> "TrainConfig":
-        """Check values that do not need the data or the model.
+        """Check values that do not need the data or the model: each part's own checks, then those across parts.
 
         Raises:
             ValueError: naming the offending option.
         """
-        def need(cond, msg):
-            if not cond:
-                raise ValueError(msg)
-
-        need(self.tp >= 1 and self.pp >= 1, f"--tp and --pp must be >= 1, got {self.tp}, {self.pp}")
-        need(self.objective in OBJECTIVES, f"--objective must be one of {OBJECTIVES}")
-        if self.transformer_impl == "transformer_engine":
-            from megatron_jf import platform
-
-            need(platform.HAVE_TE and platform.HAVE_CUDA,
-                 "--transformer-impl transformer_engine needs Transformer Engine and a CUDA device")
-        need(bool(self.data), "--data is required")
-        need(self.train_steps >= 1, f"--train-steps must be >= 1, got {self.train_steps}")
-        need(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
-        need(self.global_batch_size is None or self.global_batch_size >= 1, "--global-batch-size must be >= 1")
-        need(self.lr > 0 and 0 <= self.min_lr <= self.lr, f"need 0 <= --min-lr <= --lr and --lr > 0 "
-             f"(got lr={self.lr}, min_lr={self.min_lr})")
-        need(self.warmup_steps is None or 0 <= self.warmup_steps <= self.train_steps,
-             f"--warmup-steps must be in [0, --train-steps], got {self.warmup_steps}")
-        need(self.weight_decay >= 0 and self.clip_grad >= 0, "--weight-decay and --clip-grad must be >= 0")
-        need(self.precision in PRECISIONS, f"--precision must be one of {PRECISIONS}")
-        need(self.window_size >= 1, f"--window-size must be >= 1, got {self.window_size}")
-        need(self.noise_schedule in NOISE_SCHEDULES, f"--noise-schedule must be one of {NOISE_SCHEDULES}")
-        need(self.consistency_positions in CONSISTENCY_POSITIONS,
-             f"--consistency-positions must be one of {CONSISTENCY_POSITIONS}")
-        need(self.attention_path in ATTENTION_PATHS, f"--attention-path must be one of {ATTENTION_PATHS}")
-        need(self.mask in MASKS, f"--mask must be one of {MASKS}")
-        need(self.num_workers >= 0, "--num-workers must be >= 0")
-        self._validate_recompute(need)
-        need(self.loss_chunk_size >= 0, f"--loss-chunk-size must be >= 0, got {self.loss_chunk_size}")
-        need(not self.sequence_parallel or self.tp > 1, "--sequence-parallel needs --tp > 1 (as in Megatron-LM)")
-        need(not (self.sequence_parallel and self.anchor_data and self.anchor_seq_length % self.tp),
-             f"--sequence-parallel splits rows over --tp {self.tp}: --anchor-seq-length {self.anchor_seq_length} "
-             "must be a multiple of it")
-        need(not self.overlap_param_gather or (self.use_distributed_optimizer and self.overlap_grad_reduce),
-             "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (as in Megatron-LM)")
-        need(self.ddp_bucket_size is None or self.ddp_bucket_size >= 1, "--ddp-bucket-size must be >= 1")
-        need(self.log_interval >= 1, "--log-interval must be >= 1")
-        for name in ("save_interval", "eval_interval", "exit_interval", "keep_last", "eval_iters", "threads"):
-            v = getattr(self, name)
-            need(v is None or v >= 1, f"--{name.replace('_', '-')} must be >= 1, got {v}")
-        need(self.save_interval is None or self.save is not None, "--save-interval needs --save")
-        need(self.eval_interval is None or self.valid_data, "--eval-interval needs --valid-data")
-        need(self.seq_length is None or self.seq_length >= 1, "--seq-length must be >= 1")
-        need(self.anchor_weight >= 0, f"--anchor-weight must be >= 0, got {self.anchor_weight}")
-        need(not (self.anchor_data and self.anchor_weight == 0),
-             "--anchor-data is given but --anchor-weight is 0 (the anchor term would be computed and ignored); "
-             "set --anchor-weight > 0 or drop --anchor-data")
-        need(not (self.anchor_weight > 0 and not self.anchor_data), "--anchor-weight > 0 needs --anchor-data")
-        need(self.anchor_seq_length >= 1, f"--anchor-seq-length must be >= 1, got {self.anchor_seq_length}")
-        need(self.anchor_micro_batch_size is None or self.anchor_micro_batch_size >= 1,
-             f"--anchor-micro-batch-size must be >= 1, got {self.anchor_micro_batch_size}")
-        need(not (self.anchor_data and self.objective != "jf"), "--anchor-data needs --objective jf")
-        if self.objective == "jf":
-            need(self.block_size is not None and self.block_size >= 1,
-                 "--block-size is required for --objective jf (the block size n of the trajectory shards)")
-            need(not (self.attention_path == "two_stream" and self.mask != "nc"),
-                 f"--attention-path two_stream is exact only for --mask nc (got --mask {self.mask}); "
-                 "use --attention-path dense")
-            need(not (self.attention_path == "packed" and self.pp > 1),
-                 "--attention-path packed (one THD row per microbatch) needs --pp 1; use two_stream or dense with "
-                 "--pp > 1")
-            need(not (self.attention_path == "packed" and self.anchor_data),
-                 "--attention-path packed does not carry --anchor-data rows yet; use two_stream or dense")
-            self.loss_config()  # validates the loss options
-        else:
-            need(self.seq_length is not None, "--seq-length is required for --objective ar")
-        need(self.hf_config or self.load or self.save,
-             "no model: give --hf-config (from scratch), --load (a checkpoint) or --save with a checkpoint to resume")
+        par, data, jf = self.parallel, self.dataset, self.jf
+        par.validate()
+        self.runtime.validate()
+        data.validate()
+        self.optim.validate()
+        self.recompute.validate()
+        self.checkpoint.validate()
+        self.logging.validate()
+        _need(not (par.sequence_parallel and jf.anchor_data and jf.anchor_seq_length % par.tp),
+              f"--sequence-parallel splits rows over --tp {par.tp}: --anchor-seq-length {jf.anchor_seq_length} "
+              "must be a multiple of it")
+        _need(self.logging.eval_interval is None or data.valid_data, "--eval-interval needs --valid-data")
+        _need(not (jf.anchor_data and data.objective != "jf"), "--anchor-data needs --objective jf")
+        jf.validate()
+        if data.objective == "jf":
+            _need(not (jf.attention_path == "two_stream" and jf.mask != "nc"),
+                  f"--attention-path two_stream is exact only for --mask nc (got --mask {jf.mask}); "
+                  "use --attention-path dense")
+            _need(not (jf.attention_path == "packed" and par.pp > 1),
+                  "--attention-path packed (one THD row per microbatch) needs --pp 1; use two_stream or dense with "
+                  "--pp > 1")
+            _need(not (jf.attention_path == "packed" and jf.anchor_data),
+                  "--attention-path packed does not carry --anchor-data rows yet; use two_stream or dense")
+        _need(self.model.hf_config or self.model.load or self.checkpoint.save,
+              "no model: give --hf-config (from scratch), --load (a checkpoint) or --save with a checkpoint to resume")
         return self
-
-    def _validate_recompute(self, need) -> None:
-        g, m, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
-        need(g is None or g in RECOMPUTE_GRANULARITIES,
-             f"--recompute-granularity must be one of {RECOMPUTE_GRANULARITIES}, got {g!r}")
-        need(m is None or m in RECOMPUTE_METHODS, f"--recompute-method must be one of {RECOMPUTE_METHODS}, got {m!r}")
-        need(g is not None or (m is None and n is None and self.recompute_modules is None),
-             "--recompute-method/--recompute-num-layers/--recompute-modules need --recompute-granularity")
-        if g == "full":
-            need(m is not None and n is not None,
-                 "--recompute-granularity full needs --recompute-method {uniform,block} and --recompute-num-layers N")
-            need(n >= 1, f"--recompute-num-layers must be >= 1, got {n}")
-            need(self.recompute_modules is None, "--recompute-modules applies to --recompute-granularity selective")
-        if g == "selective":
-            need(n is None and m is None, "--recompute-method/--recompute-num-layers apply to "
-                 "--recompute-granularity full (selective recomputes --recompute-modules in every layer)")
-            bad = sorted(set(self.recompute_modules or ()) - set(RECOMPUTE_MODULES))
-            need(not bad, f"--recompute-modules {bad} not supported (choose from {RECOMPUTE_MODULES})")
-
-    def recompute_kwargs(self) -> dict:
-        """The megatron-core ``TransformerConfig`` fields of the recomputation options ({} when off)."""
-        if self.recompute_granularity is None:
-            return {}
-        kw = {"recompute_granularity": self.recompute_granularity, "recompute_method": self.recompute_method,
-              "recompute_num_layers": self.recompute_num_layers}
-        if self.recompute_modules is not None:
-            kw["recompute_modules"] = list(self.recompute_modules)
-        return kw
 
     @property
     def pad_rows_to_seq_length(self) -> bool:
         """Whether every model-input row is padded to ``seq_length`` (pp > 1 with fixed pipeline shapes)."""
-        return self.pp > 1 and not self.variable_seq_lengths
+        return self.parallel.pp > 1 and not self.dataset.variable_seq_lengths
 
     @property
     def anchor_on(self) -> bool:
         """Whether JF microbatches carry anchor rows."""
-        return bool(self.anchor_data) and self.anchor_weight > 0
+        return bool(self.jf.anchor_data) and self.jf.anchor_weight > 0
 
     @property
     def anchor_mbs(self) -> int:
         """Anchor rows per microbatch (0 when the anchor term is off)."""
         if not self.anchor_on:
             return 0
-        return self.anchor_micro_batch_size or self.micro_batch_size
+        return self.jf.anchor_micro_batch_size or self.optim.micro_batch_size
 
     def to_json(self) -> dict:
+        """``{part: {field: value}}`` (:meth:`from_json` reads it back)."""
         return dataclasses.asdict(self)
+
+
+#: ``{field name: part name}`` of every :class:`TrainConfig` field (each declared in exactly one part).
+FIELD_PART: dict[str, str] = {}
+for _p in dataclasses.fields(TrainConfig):
+    for _f in dataclasses.fields(_p.default_factory):
+        assert _f.name not in FIELD_PART and _f.name not in {p.name for p in dataclasses.fields(TrainConfig)}, _f.name
+        FIELD_PART[_f.name] = _p.name
+del _p, _f
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``pretrain_jf.py`` command line, generated from :class:`TrainConfig` (one flag per field, help from the
-    field's docstring, grouped by :data:`GROUPS`; unknown options are an argparse error).
+    field's docstring, one argument group per part; unknown options are an argparse error).
 
     Megatron-LM's flag names are accepted where the concept is the same (``--tensor-model-parallel-size``
     = ``--tp``, ``--pipeline-model-parallel-size`` = ``--pp``, ``--train-iters`` = ``--train-steps``,
@@ -415,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     """
     p = cli.parser("Jacobi Forcing training on megatron-core (paper arXiv 2512.14681, Sec. 3.1). Megatron-LM flag "
                    "names are accepted where the concept matches.", prog="pretrain_jf.py")
-    cli.add_dataclass_arguments(p, TrainConfig, groups=GROUPS)
+    cli.add_dataclass_arguments(p, TrainConfig)
     return p
 
 
@@ -426,17 +536,21 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         SystemExit: unknown options or malformed values (argparse).
         ValueError: inconsistent values (see :meth:`TrainConfig.validate`).
     """
-    ns = build_parser().parse_args(argv)
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    return TrainConfig(**{k: v for k, v in vars(ns).items() if k in names}).validate()
+    return config_from_args(build_parser().parse_args(argv)).validate()
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The :class:`TrainConfig` of parsed :func:`build_parser` flags (not validated; the loss values are checked).
+    :func:`megatron_jf.cli.to_argv` is the inverse."""
+    return cli.dataclass_from_args(TrainConfig, args)
 
 
 def effective_seq_length(cfg: TrainConfig, max_position: int) -> int:
     """The model-input row length bound (and the padded length under pipeline parallelism with fixed shapes)."""
-    if cfg.seq_length is not None:
-        return cfg.seq_length
-    if cfg.objective == "jf" and (cfg.attention_path == "dense"
-                                  or (cfg.attention_path == "packed" and cfg.mask != "nc")):
+    data, jf = cfg.dataset, cfg.jf
+    if data.seq_length is not None:
+        return data.seq_length
+    if data.objective == "jf" and (jf.attention_path == "dense" or (jf.attention_path == "packed" and jf.mask != "nc")):
         return 2 * max_position  # one sample = prompt + noisy + clean
     return max_position
 
@@ -444,14 +558,15 @@ def effective_seq_length(cfg: TrainConfig, max_position: int) -> int:
 def lr_at(iteration: int, cfg: TrainConfig) -> float:
     """Learning rate of optimizer step ``iteration`` (1-based): linear warmup from 0 to ``lr`` over
     ``warmup_steps``, then cosine decay to ``min_lr`` at ``train_steps``."""
-    warm = _warmup(cfg)
+    o = cfg.optim
+    warm = _warmup(o)
     if warm and iteration <= warm:
-        return cfg.lr * iteration / warm
-    span = max(1, cfg.train_steps - warm)
+        return o.lr * iteration / warm
+    span = max(1, o.train_steps - warm)
     progress = min(1.0, max(0.0, (iteration - warm) / span))
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def _warmup(cfg: TrainConfig) -> int:
-    return cfg.warmup_steps if cfg.warmup_steps is not None else math.ceil(0.03 * cfg.train_steps)
+def _warmup(o: OptimConfig) -> int:
+    return o.warmup_steps if o.warmup_steps is not None else math.ceil(0.03 * o.train_steps)
 

@@ -67,13 +67,13 @@ import torch.distributed as dist
 
 # the option values and their dataclass live with the command line (torch-free: pretrain_jf.py validates its
 # arguments before importing torch); re-exported here
-from megatron_jf.training.config import CONSISTENCY_LOSSES, PC_NORMALIZATIONS, LossConfig  # noqa: F401
+from megatron_jf.training.config import CONSISTENCY_LOSSES, PC_NORMALIZATIONS, JFObjective  # noqa: F401
 
 __all__ = [
     "IGNORE_INDEX",
     "CONSISTENCY_LOSSES",
     "PC_NORMALIZATIONS",
-    "LossConfig",
+    "JFObjective",
     "JFLossInputs",
     "vocab_shard_range",
     "mask_vocab_padding",
@@ -302,7 +302,7 @@ def _metric(total: torch.Tensor, count) -> torch.Tensor:
     return torch.stack([t, torch.as_tensor(count, dtype=torch.float64, device=t.device).reshape(())])
 
 
-def jf_loss(inp: JFLossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def jf_loss(inp: JFLossInputs, cfg: JFObjective) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Jacobi Forcing loss of one microbatch (paper Eq. 8-9; see the module docstring).
 
     Returns:
@@ -332,7 +332,7 @@ def jf_loss(inp: JFLossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[str,
         per_pair = vocab_parallel_ce(inp.student_logits, inp.pc_targets, vocab_size=inp.vocab_size)
     else:
         per_pair = vocab_parallel_divergence(inp.student_logits, inp.teacher_logits, vocab_size=inp.vocab_size,
-                                             temperature=cfg.temperature, kind=cfg.consistency_loss)
+                                             temperature=cfg.kl_temperature, kind=cfg.consistency_loss)
     zeros_b = torch.zeros(B, dtype=torch.float32, device=dev)
     if C:
         if cfg.pc_normalization == "paper":
@@ -436,8 +436,9 @@ def anchor_term(anchor_logits: torch.Tensor, anchor_targets: torch.Tensor, num_s
 
 
 # ----------------------------------------------------------------------------- output layer + loss, chunked
-#: Default ``--loss-chunk-size``: loss rows per chunk of the fused output-layer + loss.
-DEFAULT_LOSS_CHUNK = 1024
+#: Default ``--loss-chunk-size`` (:attr:`JFObjective.loss_chunk_size`): loss rows per chunk of the fused output
+#: layer + loss.
+DEFAULT_LOSS_CHUNK = JFObjective.loss_chunk_size
 
 #: Upper bound of the fp32 ``[chunk, V_local]`` buffers alive at the peak of one chunk of :func:`fused_head_loss`
 #: (student and teacher logits, the teacher distribution ``p``, one ``exp`` temporary; the gradient reuses
@@ -643,7 +644,7 @@ def fused_head_loss(hidden: torch.Tensor, weight: torch.Tensor, *, num_pairs: in
 
 def jf_head_loss(hidden: torch.Tensor, weight: torch.Tensor, *, pc_targets: torch.Tensor, pair_sample: torch.Tensor,
                  pair_block: torch.Tensor, ar_targets: torch.Tensor, ar_sample: torch.Tensor,
-                 num_blocks: torch.Tensor, cfg: LossConfig, vocab_size: int | None = None,
+                 num_blocks: torch.Tensor, cfg: JFObjective, vocab_size: int | None = None,
                  max_blocks: int | None = None, anchor_targets: torch.Tensor | None = None,
                  chunk_size: int | None = DEFAULT_LOSS_CHUNK) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """:func:`jf_loss` (plus :func:`anchor_term` when anchor rows are given) computed from the hidden
@@ -697,7 +698,7 @@ def jf_head_loss(hidden: torch.Tensor, weight: torch.Tensor, *, pc_targets: torc
         ce_coef = torch.cat([ce_coef, torch.full((K,), cfg.anchor_weight * B / K, device=dev)])
     loss_sum, pc_vals, ce_vals, correct = fused_head_loss(
         hidden, weight, num_pairs=C, pc_coef=cfg.pc_weight * pc_unit, ce_coef=ce_coef, pc_targets=pc_targets,
-        ce_targets=ce_targets, kind=cfg.consistency_loss, temperature=cfg.temperature, vocab_size=vocab_size,
+        ce_targets=ce_targets, kind=cfg.consistency_loss, temperature=cfg.kl_temperature, vocab_size=vocab_size,
         chunk_size=chunk_size)
     zeros_b = torch.zeros(B, dtype=torch.float32, device=dev)
     pc_sample = zeros_b.index_add(0, pair_sample, pc_vals * pc_unit)

@@ -68,10 +68,11 @@ def megatron_ddp_config(cfg):
     ``--overlap-grad-reduce``, ``--overlap-param-gather``, ``--use-distributed-optimizer``, ``--ddp-bucket-size``."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    return DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.overlap_grad_reduce,
-                                         overlap_param_gather=cfg.overlap_param_gather,
-                                         use_distributed_optimizer=cfg.use_distributed_optimizer,
-                                         bucket_size=cfg.ddp_bucket_size)
+    par = cfg.parallel
+    return DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=par.overlap_grad_reduce,
+                                         overlap_param_gather=par.overlap_param_gather,
+                                         use_distributed_optimizer=par.use_distributed_optimizer,
+                                         bucket_size=par.ddp_bucket_size)
 
 
 def megatron_optimizer_config(cfg, dtype: torch.dtype):
@@ -79,11 +80,12 @@ def megatron_optimizer_config(cfg, dtype: torch.dtype):
     hyper-parameters, bf16 with fp32 main weights when ``dtype`` is bf16."""
     from megatron.core.optimizer import OptimizerConfig
 
-    return OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
-                           adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
-                           clip_grad=cfg.clip_grad, bf16=dtype == torch.bfloat16, params_dtype=dtype,
-                           use_distributed_optimizer=cfg.use_distributed_optimizer,
-                           overlap_param_gather=cfg.overlap_param_gather)
+    o = cfg.optim
+    return OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                           adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+                           clip_grad=o.clip_grad, bf16=dtype == torch.bfloat16, params_dtype=dtype,
+                           use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+                           overlap_param_gather=cfg.parallel.overlap_param_gather)
 
 
 def clip_grad_norm_tp(params, max_norm: float) -> float:

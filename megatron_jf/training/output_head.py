@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_jf.training.losses import DEFAULT_LOSS_CHUNK, LossConfig, jf_head_loss
+from megatron_jf.training.losses import DEFAULT_LOSS_CHUNK, JFObjective, jf_head_loss
 
 __all__ = ["loss_row_index", "output_weight", "select_rows", "run_forward_pre_hooks", "forward_loss_rows", "head_loss"]
 
@@ -159,7 +159,7 @@ def forward_loss_rows(model, batch, *, with_teacher: bool = True) -> torch.Tenso
         del m._postprocess
 
 
-def head_loss(hidden_rows: torch.Tensor, weight: torch.Tensor, batch, cfg: LossConfig, vocab_size: int | None, *,
+def head_loss(hidden_rows: torch.Tensor, weight: torch.Tensor, batch, cfg: JFObjective, vocab_size: int | None, *,
               chunk_size: int | None = DEFAULT_LOSS_CHUNK) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The JF microbatch loss (paper Eq. 8-9, plus the anchor term when ``batch`` has anchor rows) from the
     loss-row hidden states of :func:`forward_loss_rows`.

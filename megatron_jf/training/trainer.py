@@ -21,7 +21,7 @@ What a step does
 
 Memory
     ``--recompute-granularity/--recompute-method/--recompute-num-layers`` (Megatron-LM's meaning) go to the
-    model provider as megatron-core ``TransformerConfig`` fields (:meth:`TrainConfig.recompute_kwargs`); the
+    model provider as megatron-core ``TransformerConfig`` fields (:meth:`RecomputeConfig.kwargs`); the
     trainer checks that the built model carries them.
 
 Optimizers (``--use-megatron-optimizer``, automatic: on with CUDA, off without)
@@ -140,24 +140,25 @@ class Trainer:
         from megatron_jf.models.gpt import set_params_dtype, unwrap
 
         self.cfg = cfg.validate()
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        parallel.initialize(cfg.tp, cfg.pp)
-        parallel.set_seed(cfg.seed)
+        if cfg.runtime.threads:
+            torch.set_num_threads(cfg.runtime.threads)
+        parallel.initialize(cfg.parallel.tp, cfg.parallel.pp)
+        parallel.set_seed(cfg.runtime.seed)
         self.ps = ps
         self.gpu = platform.HAVE_CUDA
         self.device = platform.default_device()
-        self.use_mopt = self.gpu if cfg.use_megatron_optimizer is None else cfg.use_megatron_optimizer
+        par = cfg.parallel
+        self.use_mopt = self.gpu if par.use_megatron_optimizer is None else par.use_megatron_optimizer
         if self.use_mopt and not self.gpu:
             raise ValueError("--use-megatron-optimizer needs CUDA (megatron's optimizer hard-codes CUDA tensors); "
                              "without a GPU the trainer uses torch AdamW")
-        if cfg.use_distributed_optimizer and not self.use_mopt:
+        if par.use_distributed_optimizer and not self.use_mopt:
             raise ValueError("--use-distributed-optimizer needs the megatron optimizer (GPU)")
-        if (cfg.overlap_grad_reduce or cfg.overlap_param_gather or cfg.ddp_bucket_size) and not self.use_mopt:
+        if (par.overlap_grad_reduce or par.overlap_param_gather or par.ddp_bucket_size) and not self.use_mopt:
             raise ValueError("--overlap-grad-reduce/--overlap-param-gather/--ddp-bucket-size configure megatron's DDP "
                              "(GPU path, --use-megatron-optimizer); the CPU path's torch DDP always overlaps its "
                              "bucketed all-reduce with the backward")
-        prec = cfg.precision
+        prec = cfg.runtime.precision
         if prec == "auto":
             prec = "bf16" if (self.gpu and self.use_mopt) else "fp32"
         self.autocast_dtype = None  # CPU bf16: fp32 weights, bf16 autocast (megatron_jf.precision)
@@ -171,37 +172,37 @@ class Trainer:
             self.autocast_dtype = torch.bfloat16
         self.dtype = torch.bfloat16 if prec == "bf16" and self.use_mopt else torch.float32
         self.dp = ps.get_data_parallel_world_size()
-        gbs = cfg.global_batch_size or cfg.micro_batch_size * self.dp
-        if gbs % (cfg.micro_batch_size * self.dp):
+        gbs = cfg.optim.global_batch_size or cfg.optim.micro_batch_size * self.dp
+        if gbs % (cfg.optim.micro_batch_size * self.dp):
             raise ValueError(f"--global-batch-size {gbs} is not a multiple of micro-batch-size x dp = "
-                             f"{cfg.micro_batch_size} x {self.dp}")
+                             f"{cfg.optim.micro_batch_size} x {self.dp}")
         self.global_batch_size = gbs
-        self.num_micro = gbs // (cfg.micro_batch_size * self.dp)
+        self.num_micro = gbs // (cfg.optim.micro_batch_size * self.dp)
 
         # ---- architecture and model
         self.resume_iteration = None
-        if cfg.save and os.path.isdir(cfg.save):
-            self.resume_iteration = checkpointing.latest_iteration(cfg.save)
+        if cfg.checkpoint.save and os.path.isdir(cfg.checkpoint.save):
+            self.resume_iteration = checkpointing.latest_iteration(cfg.checkpoint.save)
             if parallel.is_rank0():  # iter_*.tmp left by a run killed mid-save (never a complete checkpoint)
-                checkpointing.remove_stale_tmp(cfg.save)
+                checkpointing.remove_stale_tmp(cfg.checkpoint.save)
         self.model_args = self._model_args(checkpointing)
         self._check_recompute()
         model = model_provider(self.model_args, cfg)
-        got = {k: getattr(model.config, k) for k in cfg.recompute_kwargs()}
-        if got != cfg.recompute_kwargs():
+        got = {k: getattr(model.config, k) for k in cfg.recompute.kwargs()}
+        if got != cfg.recompute.kwargs():
             raise ValueError(f"the model provider built a model with {got}, not the requested "
-                             f"{cfg.recompute_kwargs()} (pass cfg.recompute_kwargs() to build_model)")
+                             f"{cfg.recompute.kwargs()} (pass cfg.recompute.kwargs() to build_model)")
         model = set_params_dtype(model, self.dtype)  # parameters and the config's dtypes (PP receive buffers)
         self.module = unwrap(model)
         self.seq_length = effective_seq_length(cfg, self.model_args.max_position_embeddings)
-        self.rows_per_micro = cfg.micro_batch_size * (2 if cfg.objective == "jf" and cfg.attention_path == "two_stream"
-                                                      else 1) + cfg.anchor_mbs
+        two_stream = cfg.dataset.objective == "jf" and cfg.jf.attention_path == "two_stream"
+        self.rows_per_micro = cfg.optim.micro_batch_size * (2 if two_stream else 1) + cfg.anchor_mbs
 
         # ---- wrap for data parallelism and build the optimizer
         self.model = self._wrap(model)
         self.optimizer = self._build_optimizer()
         config = self.module.config
-        config.variable_seq_lengths = cfg.pp > 1 and cfg.variable_seq_lengths
+        config.variable_seq_lengths = cfg.parallel.pp > 1 and cfg.dataset.variable_seq_lengths
         if self.autocast_dtype is not None:  # stages exchange the residual stream in the dtype megatron keeps it
             from megatron_jf.precision import residual_stream_dtype
 
@@ -217,7 +218,7 @@ class Trainer:
 
         # ---- data
         train_spec, valid_spec = datasets_provider(cfg, self.model_args)
-        self.train_stream = MicrobatchStream(train_spec, cfg.micro_batch_size, cfg.num_workers)
+        self.train_stream = MicrobatchStream(train_spec, cfg.optim.micro_batch_size, cfg.dataset.num_workers)
         self.anchor_stream = self._anchor_stream() if cfg.anchor_on else None
         self.train_iter = (AnchoredStream(self.train_stream, self.anchor_stream, self._anchor_combine)
                            if self.anchor_stream is not None else self.train_stream)
@@ -227,8 +228,8 @@ class Trainer:
         # ---- weights / state
         if self.resume_iteration is not None:
             self._resume(checkpointing)
-        elif cfg.load:
-            checkpointing.load_checkpoint(cfg.load, self.module, strict=False)
+        elif cfg.model.load:
+            checkpointing.load_checkpoint(cfg.model.load, self.module, strict=False)
             if self.use_mopt:
                 self.optimizer.reload_model_params()
         self._last_saved = self.iteration
@@ -250,21 +251,22 @@ class Trainer:
         from megatron_jf.training.attention_paths import append_anchor_rows
 
         cfg, args = self.cfg, self.model_args
-        if cfg.anchor_seq_length > args.max_position_embeddings:
-            raise ValueError(f"--anchor-seq-length {cfg.anchor_seq_length} exceeds the model's context of "
+        if cfg.jf.anchor_seq_length > args.max_position_embeddings:
+            raise ValueError(f"--anchor-seq-length {cfg.jf.anchor_seq_length} exceeds the model's context of "
                              f"{args.max_position_embeddings}")
         pad_to = self.seq_length if cfg.pad_rows_to_seq_length else None
-        if pad_to is not None and cfg.anchor_seq_length > pad_to:
-            raise ValueError(f"--anchor-seq-length {cfg.anchor_seq_length} exceeds the fixed row length "
+        if pad_to is not None and cfg.jf.anchor_seq_length > pad_to:
+            raise ValueError(f"--anchor-seq-length {cfg.jf.anchor_seq_length} exceeds the fixed row length "
                              f"--seq-length {pad_to} (pipeline parallelism with --no-variable-seq-lengths pads "
                              "every row to it)")
         tok = None
-        if cfg.tokenizer:
+        if cfg.dataset.tokenizer:
             from megatron_jf.tokenizer import load_tokenizer
 
-            tok = load_tokenizer(cfg.tokenizer)
-        ds = TokenChunkDataset(cfg.anchor_data, cfg.anchor_seq_length, tokenizer=tok, vocab_size=args.vocab_size,
-                               seed=cfg.seed, shuffle=True, rank=self.ps.get_data_parallel_rank(),
+            tok = load_tokenizer(cfg.dataset.tokenizer)
+        ds = TokenChunkDataset(cfg.jf.anchor_data, cfg.jf.anchor_seq_length, tokenizer=tok,
+                               vocab_size=args.vocab_size,
+                               seed=cfg.runtime.seed, shuffle=True, rank=self.ps.get_data_parallel_rank(),
                                world_size=self.dp)
         pad = args.pad_token_id if args.pad_token_id is not None else (
             args.eos_token_ids[0] if args.eos_token_ids else 0)
@@ -279,23 +281,25 @@ class Trainer:
             ValueError: naming the sizes.
         """
         cfg = self.cfg
-        if cfg.recompute_granularity == "full" and cfg.recompute_method == "uniform":
-            per_stage = self.model_args.num_layers // cfg.pp
-            if per_stage % cfg.recompute_num_layers:
-                raise ValueError(f"--recompute-method uniform --recompute-num-layers {cfg.recompute_num_layers} "
+        rc = cfg.recompute
+        if rc.recompute_granularity == "full" and rc.recompute_method == "uniform":
+            per_stage = self.model_args.num_layers // cfg.parallel.pp
+            if per_stage % rc.recompute_num_layers:
+                raise ValueError(f"--recompute-method uniform --recompute-num-layers {rc.recompute_num_layers} "
                                  f"does not divide the {per_stage} layers per pipeline stage")
 
     def _model_args(self, checkpointing):
         from megatron_jf.models.hf_config import ModelArgs
 
         cfg = self.cfg
-        if cfg.hf_config:
-            return ModelArgs.from_hf_dir(cfg.hf_config)
-        if cfg.load:
-            return ModelArgs.from_dict(checkpointing.read_meta(cfg.load)["model_args"])
+        if cfg.model.hf_config:
+            return ModelArgs.from_hf_dir(cfg.model.hf_config)
+        if cfg.model.load:
+            return ModelArgs.from_dict(checkpointing.read_meta(cfg.model.load)["model_args"])
         if self.resume_iteration is not None:
-            return ModelArgs.from_dict(checkpointing.read_meta(cfg.save, self.resume_iteration)["model_args"])
-        raise ValueError(f"no model: --save {cfg.save} holds no checkpoint; give --hf-config or --load")
+            meta = checkpointing.read_meta(cfg.checkpoint.save, self.resume_iteration)
+            return ModelArgs.from_dict(meta["model_args"])
+        raise ValueError(f"no model: --save {cfg.checkpoint.save} holds no checkpoint; give --hf-config or --load")
 
     def _wrap(self, model):
         cfg = self.cfg
@@ -307,7 +311,7 @@ class Trainer:
             model.config.no_sync_func = ddp.no_sync
             return ddp
         model.config.no_sync_func = None
-        if self.dp > 1 and cfg.pp == 1:
+        if self.dp > 1 and cfg.parallel.pp == 1:
             kw = {"device_ids": [self.device.index]} if self.gpu else {}
             ddp = torch.nn.parallel.DistributedDataParallel(
                 model, process_group=self.ps.get_data_parallel_group(), broadcast_buffers=False, **kw)
@@ -324,9 +328,9 @@ class Trainer:
             opt = get_megatron_optimizer(megatron_optimizer_config(cfg, self.dtype), [self.model],
                                          config_overrides=megatron_config_overrides())
         else:
-            opt = torch.optim.AdamW(param_groups(self.module, cfg.weight_decay), lr=cfg.lr,
-                                    betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
-        set_lr_and_weight_decay(opt.param_groups, cfg.lr, cfg.weight_decay)
+            opt = torch.optim.AdamW(param_groups(self.module, cfg.optim.weight_decay), lr=cfg.optim.lr,
+                                    betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2), eps=cfg.optim.adam_eps)
+        set_lr_and_weight_decay(opt.param_groups, cfg.optim.lr, cfg.optim.weight_decay)
         return opt
 
     def _params(self):
@@ -356,7 +360,7 @@ class Trainer:
         megatron DDP's forward pre-hooks on it, which hold the DDP, its buffers and the model); the H200 check found
         8.4 GiB of a Qwen2.5-0.5B run still allocated that way. The caches are cleared (for every instance: they
         are only caches) and the pre-hooks removed."""
-        if self.use_mopt and self.cfg.overlap_param_gather:
+        if self.use_mopt and self.cfg.parallel.overlap_param_gather:
             with contextlib.suppress(AssertionError, KeyError, AttributeError):  # already removed
                 self.model.disable_forward_pre_hook(param_sync=False)
         for cls in {type(m) for m in self.module.modules()}:
@@ -403,7 +407,7 @@ class Trainer:
         (its ShardedTensors carry ``flattened_range``), so that default is never used to save."""
         if common is not None:
             return common.get("optimizer_sharding_type") or "fully_sharded_model_space"
-        return "fully_reshardable" if self.cfg.dist_ckpt_optim_fully_reshardable else "dp_reshardable"
+        return "fully_reshardable" if self.cfg.checkpoint.dist_ckpt_optim_fully_reshardable else "dp_reshardable"
 
     def _optimizer_sharded(self, is_loading: bool, common: dict | None = None):
         model_sd = self.module.sharded_state_dict(prefix="model.")
@@ -439,7 +443,7 @@ class Trainer:
         return {"iteration": self.iteration, "data": self.train_stream.state_dict(),
                 "anchor_data": self.anchor_stream.state_dict() if self.anchor_stream is not None else None,
                 "consumed_samples": self.iteration * self.global_batch_size, "dp": self.dp,
-                "objective": self.cfg.objective, "block_size": self.cfg.block_size,
+                "objective": self.cfg.dataset.objective, "block_size": self.cfg.dataset.block_size,
                 "optimizer": "megatron" if self.use_mopt else "torch_adamw", "config": self.cfg.to_json(),
                 "optimizer_sharding_type": self._optimizer_sharding_type() if self.use_mopt else None}
 
@@ -449,8 +453,9 @@ class Trainer:
 
         with self._params_gathered():
             extra = {"optimizer": self._optimizer_sharded(False), "rng": self._rng_sharded()}
-            path = checkpointing.save_checkpoint(self.cfg.save, self.iteration, self.module, sharded_extra=extra,
-                                                 common=self._common(), keep_last=self.cfg.keep_last,
+            ck = self.cfg.checkpoint
+            path = checkpointing.save_checkpoint(ck.save, self.iteration, self.module, sharded_extra=extra,
+                                                 common=self._common(), keep_last=ck.keep_last,
                                                  tokenizer_dir=self._tokenizer_source())
         self._last_saved = self.iteration
         self._print(f"saved checkpoint {path}")
@@ -461,7 +466,7 @@ class Trainer:
         """With ``--overlap-param-gather`` the optimizer step leaves the all-gather of the updated parameters to
         the next forward's pre-hooks; finish it (and pause the hooks) while the weights are saved, as
         Megatron-LM does around checkpoints."""
-        if not (self.use_mopt and self.cfg.overlap_param_gather):
+        if not (self.use_mopt and self.cfg.parallel.overlap_param_gather):
             yield
             return
         self.model.disable_forward_pre_hook(param_sync=True)
@@ -476,25 +481,27 @@ class Trainer:
         from megatron_jf import checkpointing
 
         cfg = self.cfg
-        for d in (cfg.tokenizer, cfg.load and checkpointing.tokenizer_path(cfg.load), cfg.hf_config):
+        load = cfg.model.load
+        for d in (cfg.dataset.tokenizer, load and checkpointing.tokenizer_path(load), cfg.model.hf_config):
             if d and os.path.isdir(d):
                 return d
         return None
 
     def _resume(self, checkpointing):
         cfg, it = self.cfg, self.resume_iteration
-        meta = checkpointing.read_meta(cfg.save, it)
+        meta = checkpointing.read_meta(cfg.checkpoint.save, it)
         common = meta.get("common", {})
         want = "megatron" if self.use_mopt else "torch_adamw"
         if common.get("optimizer") != want:
-            raise ValueError(f"checkpoint {cfg.save} iteration {it} holds {common.get('optimizer')!r} optimizer "
-                             f"state but this run uses {want!r}")
+            raise ValueError(f"checkpoint {cfg.checkpoint.save} iteration {it} holds {common.get('optimizer')!r} "
+                             f"optimizer state but this run uses {want!r}")
         same_layout = (meta.get("tp"), meta.get("pp"), common.get("dp")) == (
             self.ps.get_tensor_model_parallel_world_size(), self.ps.get_pipeline_model_parallel_world_size(), self.dp)
         extra = {"optimizer": self._optimizer_sharded(True, common)}
         if same_layout:
             extra["rng"] = self._rng_sharded()
-        res = checkpointing.load_checkpoint(cfg.save, self.module, iteration=it, sharded_extra=extra, strict=False)
+        res = checkpointing.load_checkpoint(cfg.checkpoint.save, self.module, iteration=it, sharded_extra=extra,
+                                            strict=False)
         loaded = res["extra"]
         if self.use_mopt:
             self.optimizer.load_state_dict(loaded["optimizer"])
@@ -522,7 +529,7 @@ class Trainer:
             else:
                 self._print("note: the checkpoint holds no anchor-data position (saved without --anchor-data); "
                             "the anchor stream starts from its beginning")
-        self._print(f"resumed from {cfg.save} iteration {self.iteration}")
+        self._print(f"resumed from {cfg.checkpoint.save} iteration {self.iteration}")
 
     # ------------------------------------------------------------------ steps
     def _run_schedule(self, data_iterator, num_micro: int, forward_only: bool):
@@ -573,12 +580,12 @@ class Trainer:
         tok0 = self.train_iter.tokens
         reports = self._run_schedule(self.train_iter, self.num_micro, forward_only=False)
         lr = lr_at(self.iteration + 1, self.cfg)
-        set_lr_and_weight_decay(self.optimizer.param_groups, lr, self.cfg.weight_decay)
+        set_lr_and_weight_decay(self.optimizer.param_groups, lr, self.cfg.optim.weight_decay)
         if self.use_mopt:
             ok, grad_norm, _ = self.optimizer.step()
             grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
         else:
-            grad_norm = clip_grad_norm_tp(self._params(), self.cfg.clip_grad)
+            grad_norm = clip_grad_norm_tp(self._params(), self.cfg.optim.clip_grad)
             self.optimizer.step()
         self.iteration += 1
         m = self._reduce(reports, [float(self.train_iter.tokens - tok0)])
@@ -593,13 +600,13 @@ class Trainer:
         if self.valid_spec is None:
             return None
         self.model.eval()
-        per_rank = self.valid_spec.dataset.samples_per_rank // self.cfg.micro_batch_size
-        limit = min(per_rank, self.cfg.eval_iters or per_rank)
+        per_rank = self.valid_spec.dataset.samples_per_rank // self.cfg.optim.micro_batch_size
+        limit = min(per_rank, self.cfg.logging.eval_iters or per_rank)
         if limit == 0:
             raise ValueError(f"validation data has fewer than micro-batch-size x dp = "
-                             f"{self.cfg.micro_batch_size} x {self.dp} samples")
+                             f"{self.cfg.optim.micro_batch_size} x {self.dp} samples")
         with torch.no_grad():  # as Megatron-LM's evaluate: no graph, and the fused loss forms no gradients
-            reports = self._run_schedule(eval_batches(self.valid_spec, self.cfg.micro_batch_size, limit), limit,
+            reports = self._run_schedule(eval_batches(self.valid_spec, self.cfg.optim.micro_batch_size, limit), limit,
                                          forward_only=True)
         m = self._reduce(reports, [])
         m.pop("extra")
@@ -623,17 +630,17 @@ class Trainer:
         if not parallel.is_rank0():
             return
         rec = {"split": split, **{k.replace(" ", "_"): v for k, v in m.items()}}
-        if self.cfg.log_file:
-            d = os.path.dirname(os.path.abspath(self.cfg.log_file))
+        if self.cfg.logging.log_file:
+            d = os.path.dirname(os.path.abspath(self.cfg.logging.log_file))
             os.makedirs(d, exist_ok=True)
-            with open(self.cfg.log_file, "a") as f:
+            with open(self.cfg.logging.log_file, "a") as f:
                 f.write(json.dumps(rec) + "\n")
-        if self.cfg.tensorboard_dir:
+        if self.cfg.logging.tensorboard_dir:
             if self._tb is None:
                 try:
                     from torch.utils.tensorboard import SummaryWriter
 
-                    self._tb = SummaryWriter(self.cfg.tensorboard_dir)
+                    self._tb = SummaryWriter(self.cfg.logging.tensorboard_dir)
                 except ImportError:
                     self._tb = False
                     self._print("tensorboard is not installed; --tensorboard-dir ignored")
@@ -643,8 +650,8 @@ class Trainer:
                         self._tb.add_scalar(f"{split}/{k}", v, m["iteration"])
 
     def _format(self, split: str, m: dict) -> str:
-        parts = [f"{split} step {m['iteration']}/{self.cfg.train_steps}", f"loss {m['loss']:.4f}"]
-        if self.cfg.objective == "jf":
+        parts = [f"{split} step {m['iteration']}/{self.cfg.optim.train_steps}", f"loss {m['loss']:.4f}"]
+        if self.cfg.dataset.objective == "jf":
             parts += [f"L_pc {m['pc loss']:.4f}", f"L_AR {m['ar loss']:.4f}"]
             if math.isfinite(m.get("anchor loss", float("nan"))):
                 parts.append(f"anchor loss {m['anchor loss']:.4f}")
@@ -658,11 +665,11 @@ class Trainer:
         """Train until ``--train-steps`` (or ``--exit-interval``); returns the per-step metrics."""
         cfg = self.cfg
         self._bar = None
-        if cfg.progress and parallel.is_rank0():
+        if cfg.logging.progress and parallel.is_rank0():
             try:
                 from tqdm import tqdm
 
-                self._bar = tqdm(total=cfg.train_steps, initial=self.iteration, desc="train", dynamic_ncols=True,
+                self._bar = tqdm(total=cfg.optim.train_steps, initial=self.iteration, desc="train", dynamic_ncols=True,
                                  file=sys.stderr)
             except ImportError:
                 self._bar = None
@@ -670,7 +677,7 @@ class Trainer:
         nacc = 0
         mkeys = ("loss", "pc loss", "ar loss", "noisy acc") + (("anchor loss",) if cfg.anchor_on else ())
         try:
-            while self.iteration < cfg.train_steps:
+            while self.iteration < cfg.optim.train_steps:
                 m = self.train_step()
                 self.history.append(m)
                 if self._bar is not None:
@@ -679,7 +686,7 @@ class Trainer:
                     acc[k] = acc.get(k, 0.0) + m[k]
                 nacc += 1
                 it = self.iteration
-                if it % cfg.log_interval == 0 or it == cfg.train_steps:
+                if it % cfg.logging.log_interval == 0 or it == cfg.optim.train_steps:
                     lm = {k: acc[k] / nacc for k in mkeys}
                     lm.update({"iteration": it, "lr": m["lr"], "grad norm": m["grad norm"],
                                "tokens per s": acc["tokens"] / max(acc["time"], 1e-9),
@@ -687,15 +694,15 @@ class Trainer:
                     self._print(self._format("train", lm))
                     self._log_event("train", lm)
                     acc, nacc = {}, 0
-                if cfg.eval_interval and it % cfg.eval_interval == 0:
+                if cfg.logging.eval_interval and it % cfg.logging.eval_interval == 0:
                     em = self.evaluate()
                     self._print(self._format("valid", em))
                     self._log_event("valid", em)
-                if cfg.save and cfg.save_interval and it % cfg.save_interval == 0:
+                if cfg.checkpoint.save and cfg.checkpoint.save_interval and it % cfg.checkpoint.save_interval == 0:
                     self.save()
-                if cfg.exit_interval and it % cfg.exit_interval == 0:
+                if cfg.checkpoint.exit_interval and it % cfg.checkpoint.exit_interval == 0:
                     break
-            if cfg.save and self._last_saved != self.iteration:
+            if cfg.checkpoint.save and self._last_saved != self.iteration:
                 self.save()
         finally:
             if self._bar is not None:

@@ -82,20 +82,20 @@ def step(model, args, batch, cfg, head):
 def main():
     from megatron_jf import parallel
     from megatron_jf.models.zoo import tiny_hf_model
-    from megatron_jf.training.losses import LossConfig
+    from megatron_jf.training.losses import JFObjective
 
     hf = tiny_hf_model("qwen2", seed=9, vocab=VOCAB, layers=2)
     parallel.initialize(1, 1)
     parallel.set_seed(0)
     ref = {}
     for path, (_, kind, norm) in PATHS.items():
-        cfg = LossConfig(consistency_loss=kind, pc_normalization=norm, ar_weight=0.5)
+        cfg = JFObjective(consistency_loss=kind, pc_normalization=norm, ar_weight=0.5)
         model, args = build(hf, False)
         ref[path] = step(model, args, batch_for(path), cfg, "full")
     parallel.initialize(2, 1)
     parallel.set_seed(0)
     for path, (_, kind, norm) in PATHS.items():
-        cfg = LossConfig(consistency_loss=kind, pc_normalization=norm, ar_weight=0.5)
+        cfg = JFObjective(consistency_loss=kind, pc_normalization=norm, ar_weight=0.5)
         l0, g0 = ref[path]
         for case, sp, head in (("tp2", False, "rows"), ("tp2_sp", True, "rows"), ("tp2_sp_fullrow", True, "full")):
             model, args = build(hf, sp)
@@ -116,7 +116,7 @@ def sp_weights_provider(hf_dir):
     def provider(model_args, cfg):
         hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
         hf.config.vocab_size = model_args.vocab_size
-        return build(hf, cfg.sequence_parallel)[0]
+        return build(hf, cfg.parallel.sequence_parallel)[0]
 
     return provider
 

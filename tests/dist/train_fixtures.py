@@ -89,7 +89,7 @@ def hf_weights_provider(hf_dir: str):
         from megatron_jf.models.convert import hf_to_mcore
         from megatron_jf.models.gpt import build_model
 
-        model = build_model(model_args, recompute=cfg.recompute_kwargs())
+        model = build_model(model_args, recompute=cfg.recompute.kwargs())
         hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
         sd = hf_to_mcore(hf.state_dict(), model_args, tp_rank=ps.get_tensor_model_parallel_rank(),
                          tp_size=ps.get_tensor_model_parallel_world_size(),
@@ -120,7 +120,7 @@ def parallel_config(work: str, name: str, **over):
               log_interval=100, progress=False, threads=1, seed=7)
     kw.update(PARALLEL_CONFIGS[name])
     kw.update(over)
-    return TrainConfig(**kw)
+    return TrainConfig.from_flat(**kw)
 
 
 def train_and_report(work: str, layout: str, name: str, **over) -> None:
