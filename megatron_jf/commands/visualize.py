@@ -40,15 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_load_arg(src, required=False, help="checkpoint to run live (the jacobi decoder)")
     p.add_argument("--index", type=int, default=0, help="record index in the shard")
     p.add_argument("--sample-id", help="record sample id in the shard (overrides --index)")
-    p.add_argument("--prompt", help="prompt text (live)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template (live)")
+    cli.PROMPT.add(p, help="prompt text (live)")
+    cli.CHAT.add(p, help="wrap the prompt in the chat template (live)")
     g = cli.add_decode_args(p, title="Jacobi decoding (live)", fields=("block_size", "draft_init"))
     cli.add_max_new_tokens_arg(g)
     cli.TOKENIZER.add(p, help="tokenizer for token text (default: the checkpoint's when live; none: token ids)")
     p.add_argument("--min-run", type=int, default=3, help="shortest run of fixed-point tokens after the first "
                    "mismatch that is highlighted as stationary")
     p.add_argument("--max-png-rows", type=int, default=200, help="most iteration rows drawn in the PNG")
-    p.add_argument("--out", required=True, help="output prefix (writes PREFIX.html and PREFIX.png)")
+    cli.OUT.add(p, required=True, help="output prefix (writes PREFIX.html and PREFIX.png)")
     cli.add_inference_args(p)
     return p
 
