@@ -49,7 +49,6 @@ the table is measured in this run; on the dry run the figures are CPU ones of ti
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
@@ -62,16 +61,25 @@ import traceback
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-QWEN25_05B = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896,
-    "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
-    "head_dim": 64, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
-    "tie_word_embeddings": True, "bos_token_id": 151643, "eos_token_id": 151643, "torch_dtype": "bfloat16",
-}
-SMALL = dict(QWEN25_05B, vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-             bos_token_id=255, eos_token_id=255)
-SMALL_UNTIED = dict(SMALL, tie_word_embeddings=False)
+def _shape_config(args, **extra) -> dict:
+    """The HF ``config.json`` of a :class:`~megatron_jf.models.hf_config.ModelArgs` (plus ``extra`` keys)."""
+    return dict(args.to_hf_dict(), **extra)
+
+
+def _training_shapes():
+    """``(Qwen2.5-0.5B, small, small untied)`` HF configs of the training rows (:mod:`megatron_jf.models.shapes`):
+    the GPU matrix's model, and the dry run's / the overlap and resume rows' 2-layer model of the same family."""
+    import dataclasses
+
+    from megatron_jf.models import shapes
+
+    qwen = dataclasses.replace(shapes.get("qwen2.5-0.5b"), eos_token_ids=[151643], bos_token_id=151643)
+    small = dataclasses.replace(qwen, vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=2,
+                                num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
+                                eos_token_ids=[255], bos_token_id=255)
+    return (_shape_config(qwen, torch_dtype="bfloat16"), _shape_config(small, torch_dtype="bfloat16"),
+            _shape_config(dataclasses.replace(small, tie_word_embeddings=False), torch_dtype="bfloat16"))
+
 
 RECOMPUTE = {
     "none": [],
@@ -465,7 +473,7 @@ def decode_rows(dry: bool) -> list[tuple[str, str, str]]:
 
     import torch
 
-    from bench.gpu.decode_check import QWEN25_7B, TINY, build_random_model
+    from bench.gpu.decode_check import DRY_RUN_SHAPE, GPU_SHAPE, build_random_model
     from megatron_jf import parallel
 
     cuda = torch.cuda.is_available() and not dry
@@ -483,7 +491,7 @@ def decode_rows(dry: bool) -> list[tuple[str, str, str]]:
                 torch.backends.cuda.matmul.allow_tf32 = False
                 torch.backends.cudnn.allow_tf32 = False
             t0 = time.perf_counter()
-            model = build_random_model(QWEN25_7B if cuda else TINY, dtype, device)
+            model = build_random_model(GPU_SHAPE if cuda else DRY_RUN_SHAPE, dtype, device)
             with torch.no_grad():  # output layer N(0, 0.2^2): peaked logits
                 model.output_layer.weight.mul_(10.0)
             built = time.perf_counter() - t0
@@ -513,8 +521,10 @@ def _decode_pass(model, label: str, cuda: bool, new: int, built: float, *, speed
     ``extras``: also the logits and memory rows."""
     import torch
 
-    from megatron_jf.inference.engine import DecodeConfig, Engine
+    from bench import common
+    from megatron_jf.decoding import DecodeConfig
     from megatron_jf.inference.forward import forward_logits
+    from megatron_jf.inference.options import InferenceOptions
     from megatron_jf.inference.lean_forward import lean_forward_for
     from megatron_jf.inference.static_decode import StaticDecoder
     from megatron_jf.models.gpt import new_kv_cache
@@ -528,11 +538,12 @@ def _decode_pass(model, label: str, cuda: bool, new: int, built: float, *, speed
         vocab = model.vocab_size_unpadded
         g = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, vocab, (prompt_len,), generator=g).tolist()
-        # the forward implementation is an Engine field (inference/options.py): the static path with CUDA graphs,
-        # the static path run eagerly, and the eager lean forward
-        engines = {"graphs": Engine(model, mr_verify="tree", forward="static", cuda_graphs=cuda),
-                   "static": Engine(model, mr_verify="tree", forward="static", cuda_graphs=False),
-                   "eager": Engine(model, mr_verify="tree", forward="lean")}
+        # the forward implementation is an inference option (inference/options.py): the static path with CUDA
+        # graphs, the static path run eagerly, and the eager lean forward
+        modes = {"graphs": InferenceOptions(mr_verify="tree", forward="static", cuda_graphs=cuda),
+                 "static": InferenceOptions(mr_verify="tree", forward="static", cuda_graphs=False),
+                 "eager": InferenceOptions(mr_verify="tree", forward="lean")}
+        engines = {mode: common.engine(model, options=o) for mode, o in modes.items()}
         toks, tps = {}, {}
         for mode, engine in engines.items():
             for d in DECODERS:
@@ -662,22 +673,29 @@ def print_table(rows: list[tuple[str, str, str]], header: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- main
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--run-jobs"]:
-        return run_jobs_child(argv[1])
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dry-run", action="store_true", help="CPU, tiny models, torch AdamW: the plumbing, no GPU")
-    p.add_argument("--work", default=None, help="scratch directory (default: /tmp/gpu_check_work[_dry]; the child "
-                                                "logs are copied to $OUT when it is set)")
+def build_parser():
+    """The command line (torch-free; ``--run-jobs FILE``, the child's entry, is read before it)."""
+    from bench import common
+
+    p = common.parser(__doc__.split("\n\n")[0])
+    common.DRY_RUN.add(p, help="CPU, tiny models, torch AdamW: the plumbing, no GPU")
+    common.WORK.add(p, help="scratch directory (none: /tmp/gpu_check_work[_dry]; the child logs are copied to $OUT "
+                            "when it is set)")
     p.add_argument("--sections", default=",".join(SECTIONS),
                    help="comma list of what to run, of " + ", ".join(SECTIONS) + " and 'train:<path>/<recompute>"
                         "[/<mask>]' for one training-matrix row (rerunning a few rows inside a short lease); "
                         "rows not run say 'not selected'")
     p.add_argument("--budget-s", type=float, default=None,
                    help="start no training job after this many seconds less the decode rows' 240 s on GPU "
-                        "(default 450 on GPU, 600 dry)")
+                        "(none: 450 on GPU, 600 dry)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--run-jobs"]:
+        return run_jobs_child(argv[1])
+    p = build_parser()
     a = p.parse_args(argv)
     want = {x.strip() for x in a.sections.split(",") if x.strip()}
     unknown = {x for x in want if x not in SECTIONS and not x.startswith("train:")}
@@ -709,15 +727,16 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- inputs and jobs
     ncpu = os.cpu_count() or 2
-    small_hf, small_data = write_inputs(work, "small", SMALL_UNTIED, records=8, prompt_len=6, block_size=4,
+    qwen05b, small_cfg, small_untied = _training_shapes()
+    small_hf, small_data = write_inputs(work, "small", small_untied, records=8, prompt_len=6, block_size=4,
                                         num_blocks=4)
     small = dict(steps=3, mbs=2, gbs=4, seq=32, block_size=4, window=2, threads=2)
     if gpu:
-        big_hf, big_data = write_inputs(work, "qwen05b", QWEN25_05B, records=32, prompt_len=192, block_size=32,
+        big_hf, big_data = write_inputs(work, "qwen05b", qwen05b, records=32, prompt_len=192, block_size=32,
                                         num_blocks=24)
         big = dict(steps=4, mbs=2, gbs=4, seq=1024, block_size=32, window=16, threads=2)
     else:
-        big_hf, big_data = write_inputs(work, "tiny", SMALL, records=8, prompt_len=6, block_size=4, num_blocks=4)
+        big_hf, big_data = write_inputs(work, "tiny", small_cfg, records=8, prompt_len=6, block_size=4, num_blocks=4)
         big = dict(small, steps=2)
     gpu_flags = USERS_GPU_FLAGS if gpu else ["--precision", "fp32"]
     no_overlap = [f for f in gpu_flags if not f.startswith("--overlap")]

@@ -23,30 +23,21 @@ check that also decodes with the engine; this script is the detailed decode-spee
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 
-
-QWEN25_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                 num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=1000000.0,
-                 max_position_embeddings=32768, tie_word_embeddings=False)
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=1024,
-            tie_word_embeddings=False)
+#: the model shapes measured (:mod:`megatron_jf.models.shapes`): on a GPU, and on the CPU dry run
+GPU_SHAPE, DRY_RUN_SHAPE = "qwen2.5-7b", "tiny"
 
 
-def build_random_model(shape: dict, dtype, device):
-    """A Qwen2-architecture megatron model with N(0, 0.02) weights drawn on ``device`` (no CPU init)."""
+def build_random_model(shape, dtype, device):
+    """A megatron model of ``shape`` (a :class:`~megatron_jf.models.hf_config.ModelArgs`, or a name of
+    :mod:`megatron_jf.models.shapes`) with N(0, 0.02) weights drawn on ``device`` (no CPU init)."""
     import torch
 
-    from megatron_jf.models import gpt
-    from megatron_jf.models.hf_config import ModelArgs
+    from megatron_jf.models import gpt, shapes
 
-    cfg = dict(shape, architectures=["Qwen2ForCausalLM"], model_type="qwen2", head_dim=shape["hidden_size"] //
-               shape["num_attention_heads"], rope_parameters={"rope_type": "default", "rope_theta": shape["rope_theta"]})
-    args = ModelArgs.from_hf_dict(cfg)
+    args = shapes.get(shape) if isinstance(shape, str) else shape
     tcfg = gpt.transformer_config(args, params_dtype=dtype)
     tcfg.perform_initialization = False  # weights are drawn below, on the device
     tcfg.use_cpu_initialization = device.type != "cuda"
@@ -83,14 +74,24 @@ def _median_ms(fn, reps, sync):
     return statistics.median(times)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dry-run", action="store_true", help="CPU, tiny model, few steps (no GPU figures)")
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--decode-steps", type=int, default=64, help="AR steps timed per mode")
-    p.add_argument("--reps", type=int, default=10, help="timed repeats per forward shape")
+def build_parser():
+    """The command line (torch-free)."""
+    from megatron_jf import cli
+
+    from bench import common
+
+    p = common.parser(__doc__)
+    common.DRY_RUN.add(p, help="CPU, tiny model, few steps (no GPU figures)")
+    p.add_argument("--prompt-len", type=cli.positive_int, default=512, help="prompt tokens before the timed steps")
+    p.add_argument("--decode-steps", type=cli.positive_int, default=64, help="AR steps timed per mode")
+    common.REPEATS.add(p, default=10, help="timed repeats per forward shape")
     p.add_argument("--hbm-gbs", type=float, default=4800.0, help="HBM bandwidth for the roofline, GB/s (H200: 4800)")
-    p.add_argument("--json", default=None)
+    cli.JSON_OUT.add(p)
+    return p
+
+
+def main(argv=None):
+    p = build_parser()
     a = p.parse_args(argv)
     import torch
 
@@ -112,10 +113,10 @@ def _measure(a):
         raise SystemExit("no CUDA device: run with --dry-run (CPU tiny mode) or on a GPU machine")
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    shape = QWEN25_7B if cuda else TINY
+    shape = GPU_SHAPE if cuda else DRY_RUN_SHAPE
     prompt_len = a.prompt_len if cuda else 32
     steps = a.decode_steps if cuda else 4
-    reps = a.reps if cuda else 2
+    reps = a.repeats if cuda else 2
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     parallel.initialize(1, 1)
     t0 = time.perf_counter()
@@ -178,7 +179,7 @@ def _measure(a):
                                         f"{results['copy_gbs']:.0f} GB/s copy roofline" if cuda else ""))
 
     # 2 + 3. forward cost by width (eager static path; graphs for the bucket when CUDA)
-    from decode import tree_layout  # bench/decode.py: the engine's MR layout at full width
+    from bench.common import tree_layout  # the engine's MR layout at full width
 
     cache = fresh_cache()
     widths = {"1 token": (1, None, None)}
