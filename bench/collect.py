@@ -41,7 +41,8 @@ import time
 
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench.common import REPO
+
 ENGINES = ("megatron", "vllm", "vllm-scoring")
 
 
@@ -155,12 +156,12 @@ def _worker(a) -> None:
     t0 = time.perf_counter()
     if engine == "megatron":
         from megatron_jf import parallel
+        from bench import common
         from megatron_jf.checkpointing import load_model
-        from megatron_jf.inference.engine import Engine
 
         parallel.initialize(1, 1)
         model, _, _ = load_model(a.mcore, params_dtype=getattr(torch, dtype))
-        eng = Engine(model)
+        eng = common.engine(model)
     else:  # the context the tool gives vLLM: the longest prompt with its response and last draft
         max_len = max(len(q.value) for q in specs) + a.max_new_tokens + a.block_size + 1
         make = V.VLLMCollector if engine == "vllm" else ScoringCollector
@@ -202,9 +203,9 @@ def compare_engines(a) -> None:
 
     a.num_prompts = a.num_prompts or 64
     hf, mcore, prompts = _prepare_smollm2(a)
-    runs = [("megatron", "float32")] if "megatron" in a.engine else []
+    runs = [("megatron", "float32")] if "megatron" in a.engines else []
     for engine in ("vllm", "vllm-scoring"):
-        if engine in a.engine:
+        if engine in a.engines:
             if not os.path.isfile(a.vllm_python):
                 raise SystemExit(f"error: no vLLM environment at {a.vllm_python} (JF_ENV=vllm bash "
                                  f"scripts/bootstrap.sh, or --vllm-python)")
@@ -286,37 +287,44 @@ def _model(hidden, layers, vocab, seed):
     return m
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", nargs="+", choices=ENGINES, default=None,
-                   help="compare these engines' collection on SmolLM2-135M (instead of the tiny-model benchmark)")
-    p.add_argument("--speed-prompts", type=int, default=16, help="prompts timed at batch 1 and batch 8")
-    p.add_argument("--repeats", type=int, default=2, help="timed repeats of each batch size (fastest kept)")
-    p.add_argument("--num-prompts", type=int, default=None,
-                   help="prompts of the memory runs (default 256), or of the engine comparison (default 64)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", default=None, help="also write the results here")
+def build_parser():
+    """The command line (torch-free)."""
+    from megatron_jf import cli
+
+    from bench import common
+
+    p = common.parser(__doc__)
+    common.ENGINES.add(p, choices=ENGINES, metavar="{" + ",".join(ENGINES) + "}",
+                       help="compare these engines' collection on SmolLM2-135M (instead of the tiny-model benchmark)")
+    p.add_argument("--speed-prompts", type=cli.positive_int, default=16, help="prompts timed at batch 1 and batch 8")
+    common.REPEATS.add(p, default=2, help="timed repeats of each batch size (fastest kept)")
+    common.NUM_PROMPTS.add(p, default=None,
+                           help="prompts of the memory runs (none: 256), or of the engine comparison (none: 64)")
+    common.add_block_args(p, block_size=16, help="Jacobi decoding of the trajectories")
+    cli.MAX_NEW_TOKENS.add(p, default=128)
+    common.add_builtin_model_args(p, hidden=64, layers=2, vocab=512)
+    cli.THREADS.add(p, default=1)
+    cli.JSON_OUT.add(p)
     g = p.add_argument_group("engine comparison (--engine)")
-    g.add_argument("--batch-size", type=int, default=32, help="prompts decoded together, every engine")
+    cli.BATCH_SIZE.add(g, default=32, help="prompts decoded together, every engine")
     g.add_argument("--vllm-dtypes", default="float32,bfloat16", help="vLLM dtypes to run, comma-separated")
-    g.add_argument("--vllm-python", default=os.path.join(REPO, ".venv-vllm", "bin", "python"),
-                   help="interpreter of the vLLM environment (JF_ENV=vllm bash scripts/bootstrap.sh)")
-    g.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile")
-    g.add_argument("--work", default=os.path.join(REPO, "runs", "bench-collect"),
-                   help="cache of the SmolLM2 export (HF and megatron) and the prompt file")
+    common.VLLM_PYTHON.add(g)
+    common.ENFORCE_EAGER.add(g)
+    common.WORK.add(g, default=os.path.join(REPO, "runs", "bench-collect"),
+                    help="cache of the SmolLM2 export (HF and megatron) and the prompt file")
     g.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: ENGINE:DTYPE, one measurement
-    g.add_argument("--hf", default=None, help=argparse.SUPPRESS)
+    common.HF.add(g, help=argparse.SUPPRESS)
     g.add_argument("--mcore", default=None, help=argparse.SUPPRESS)
     g.add_argument("--prompts-file", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None):
+    p = build_parser()
     a = p.parse_args(argv)
     if a.worker:
         return _worker(a)
-    if a.engine:
+    if a.engines:
         return compare_engines(a)
     a.num_prompts = a.num_prompts or 256
 
@@ -326,11 +334,12 @@ def main(argv=None):
     from megatron_jf import parallel
     from megatron_jf.data import collect as C
     from megatron_jf.data.shards import TrajectoryShardWriter, read_shard
-    from megatron_jf.inference.engine import DecodeConfig, Engine
+    from bench import common
+    from megatron_jf.decoding import DecodeConfig
 
     parallel.initialize(1, 1)
     parallel.set_seed(0)
-    engine = Engine(_model(a.hidden, a.layers, a.vocab, seed=0))
+    engine = common.engine(_model(a.hidden, a.layers, a.vocab, seed=0))
     g = torch.Generator().manual_seed(0)
     n_all = max(a.speed_prompts, a.num_prompts)
     lens = torch.randint(16, 49, (n_all,), generator=g).tolist()

@@ -18,7 +18,6 @@ the argmax where two logits are close). Prints whether the CPU's bf16 is native 
 
 from __future__ import annotations
 
-import argparse
 import time
 
 
@@ -29,8 +28,8 @@ def _prompts(a, tok):
     from megatron_jf.eval.benchmarks import load_benchmark
     from megatron_jf.eval.prompts import build_messages
 
-    return [tok.encode(tok.apply_chat_template(build_messages(pr))) for pr in load_benchmark("humaneval",
-                                                                                              limit=a.humaneval)]
+    return [tok.encode(tok.apply_chat_template(build_messages(pr)))
+            for pr in load_benchmark("humaneval", limit=a.humaneval_problems)]
 
 
 def _agree(a: list[int], b: list[int]) -> int:
@@ -43,25 +42,36 @@ def _agree(a: list[int], b: list[int]) -> int:
     return n
 
 
+def build_parser():
+    """The command line (torch-free)."""
+    from megatron_jf import cli
+
+    from bench import common
+
+    p = common.parser(__doc__)
+    cli.LOAD.add(p, required=True, help="megatron_jf checkpoint (with its tokenizer)")
+    p.add_argument("--humaneval", dest="humaneval_problems", type=cli.positive_int, default=2, metavar="N",
+                   help="first N HumanEval problems (chat template) as prompts")
+    cli.MAX_NEW_TOKENS.add(p, default=64)
+    common.add_block_args(p, block_size=32)
+    p.add_argument("--collect-batch", type=cli.positive_int, default=8, help="prompts decoded together in the Jacobi "
+                   "run (the prompts are repeated to fill it)")
+    common.REPEATS.add(p, default=2, help="timed rounds (after one warm-up round); the fastest is kept")
+    cli.THREADS.add(p, default=1)
+    return p
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--load", required=True, help="megatron_jf checkpoint (with its tokenizer)")
-    p.add_argument("--humaneval", type=int, default=2, help="first N HumanEval problems (chat template) as prompts")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=32, help="Jacobi block size n")
-    p.add_argument("--collect-batch", type=int, default=8, help="prompts decoded together in the Jacobi run "
-                   "(the prompts are repeated to fill it)")
-    p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--threads", type=int, default=1)
+    p = build_parser()
     a = p.parse_args(argv)
 
     import torch
 
     torch.set_num_threads(a.threads)
+    from bench import common
     from megatron_jf import parallel
     from megatron_jf.checkpointing import load_model, tokenizer_path
-    from megatron_jf.decoding import PAPER
-    from megatron_jf.inference.engine import DecodeConfig, Engine
+    from megatron_jf.decoding import PAPER, DecodeConfig
     from megatron_jf.inference.forward import forward_logits
     from megatron_jf.precision import autocast, cpu_bf16_feature
     from megatron_jf.tokenizer import load_tokenizer
@@ -76,9 +86,9 @@ def main(argv=None):
     ar, jac = DecodeConfig("ar"), DecodeConfig("jacobi", block_size=a.block_size, **PAPER)
     best = {m: {"ar": float("inf"), "jac": float("inf")} for m in MODES}
     out = {}
-    for rep in range(a.reps + 1):  # round 0 warms up
+    for rep in range(a.repeats + 1):  # round 0 warms up
         for mode in MODES:
-            eng = Engine(models[mode])
+            eng = common.engine(models[mode])
             with autocast(torch.bfloat16 if mode == "bf16 autocast" else None):
                 r_ar = [eng.generate([pr], ar, max_new_tokens=a.max_new_tokens)[0] for pr in prompts]
                 t0 = time.perf_counter()
@@ -94,7 +104,7 @@ def main(argv=None):
     print(f"{a.load}: {sum(p.numel() for p in models['fp32'].parameters()) / 1e6:.1f}M params, {a.threads} "
           f"thread(s); CPU bf16: {feat + ' (native)' if feat else 'none (emulated: the tools refuse --bf16 here)'}")
     print(f"{len(prompts)} HumanEval prompts, {a.max_new_tokens} new tokens; AR batch 1 (decode only); Jacobi n="
-          f"{a.block_size} batch {a.collect_batch} with trajectories (wall, prefill included); fastest of {a.reps}")
+          f"{a.block_size} batch {a.collect_batch} with trajectories (wall, prefill included); fastest of {a.repeats}")
     ref = out["fp32"]["ar"]
     base = best["fp32"]
     for mode in MODES:

