@@ -18,7 +18,6 @@ here: ``docs/results.md`` ("Model A: base-model variants").
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import json
@@ -45,7 +44,7 @@ def _parse_overrides(pairs: list[str]) -> dict:
 
 def filter_kept(out: Path, stage: str = "traj1") -> dict:
     """``{"kept": k, "degenerate/<reason>": m, ...}`` of the repetition filter over a trajectory stage's records."""
-    from megatron_jf.data.collect import _category, filter_reason
+    from megatron_jf.data.collect import filter_category, filter_reason
     from megatron_jf.data.shards import iter_shard
     from megatron_jf.tokenizer import load_tokenizer
 
@@ -54,7 +53,7 @@ def filter_kept(out: Path, stage: str = "traj1") -> dict:
     for shard in sorted(glob.glob(str(out / stage / "*.tar"))):
         for rec in iter_shard(shard):
             reason = filter_reason(rec, eos)
-            counts[_category(reason) if reason else "kept"] += 1
+            counts[filter_category(reason) if reason else "kept"] += 1
     return dict(counts)
 
 
@@ -62,33 +61,44 @@ def measure(out: Path, ckpt: str, response_tokens: int, nll_chunks: int) -> dict
     """Held-out NLL, greedy distinct-2 and Jacobi TPF (n=32, output == AR asserted) of ``OUT/ckpt``."""
     import numpy as np
 
+    from bench import common
+    from megatron_jf.checkpointing import load_model
+    from megatron_jf.decoding import PAPER, DecodeConfig
     from megatron_jf.eval.degenerate import degeneracy
     from megatron_jf.eval.speed import measure as measure_speed
-    from megatron_jf.decoding import PAPER
-    from megatron_jf.inference.engine import DecodeConfig, Engine
-    from recipes.quickstart.report import _load, heldout_nll
     from megatron_jf.tokenizer import load_tokenizer
+    from recipes.quickstart.report import heldout_nll
 
     eos = set(load_tokenizer(out / "tokenizer").eos_ids)
     prompts = [json.loads(line)["prompt_ids"] for line in open(out / "prompts_eval.jsonl")]
-    model = _load(out / ckpt)
+    model = load_model(str(out / ckpt))[0]
     nll, _ = heldout_nll(model, np.load(out / "tokens_heldout.npy"), nll_chunks)
     # measure() runs greedy AR first and checks the Jacobi output against it (LosslessError otherwise)
-    speed = measure_speed(Engine(model), prompts, {"jacobi": DecodeConfig("jacobi", block_size=32, **PAPER)},
+    speed = measure_speed(common.engine(model), prompts, {"jacobi": DecodeConfig("jacobi", block_size=32, **PAPER)},
                           max_new_tokens=response_tokens, eos_ids=eos, batch_size=len(prompts), label=ckpt)
     return {"checkpoint": ckpt, "nll": round(float(nll), 4),
             "distinct_2": round(degeneracy(speed.outputs)["distinct_2"], 4),
             "jacobi_tpf_n32": round(speed.methods["jacobi"].tpf, 3)}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser():
+    """The command line (torch-free)."""
+    from megatron_jf import cli
+
+    from bench import common
+
+    ap = common.parser(__doc__)
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="code-preset fields to change")
     ap.add_argument("--out", required=True, help="work directory (resumable)")
-    ap.add_argument("--until", default="prompts", help="last pipeline stage to run (default: prompts)")
+    ap.add_argument("--until", default="prompts", help="last pipeline stage to run")
     ap.add_argument("--measure", default=None, help="comma-separated checkpoints to measure, e.g. base,jf1 (default: "
                                                     "base, plus jf1/jf2 when --until reaches them)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    cli.THREADS.add(ap, default=1)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     a = ap.parse_args(argv)
     from megatron_jf import parallel
     from megatron_jf.fileio import atomic_write_json

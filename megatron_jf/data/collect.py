@@ -81,6 +81,7 @@ __all__ = [
     "batch_seed",
     "build_record",
     "filter_reason",
+    "filter_category",
     "CollectConfig",
     "CollectStats",
     "collect",
@@ -398,8 +399,9 @@ def filter_reason(record: TrajectoryRecord, eos_ids: frozenset | set, **threshol
     return degeneracy_reason(resp, **thresholds)
 
 
-def _category(reason: str) -> str:
-    """``"periodic_tail(p=1, ...)"`` -> ``"degenerate/periodic_tail"``; ``"distinct_4gram=..."`` ->
+def filter_category(reason: str) -> str:
+    """The category a :func:`filter_reason` counts under (``CollectStats.filtered``, the skip ledger):
+    ``"periodic_tail(p=1, ...)"`` -> ``"degenerate/periodic_tail"``; ``"distinct_4gram=..."`` ->
     ``"degenerate/distinct_4gram"``."""
     return "degenerate/" + re.split(r"[(=]", reason, maxsplit=1)[0]
 
@@ -547,7 +549,7 @@ def keep_result(prompt: TokenizedPrompt, result, config: CollectConfig, stats: C
     stats.forwards += result.forwards
     reason = filter_reason(rec, eos_ids) if config.filter else None
     if reason is not None:
-        cat = _category(reason)
+        cat = filter_category(reason)
         stats.filtered[cat] = stats.filtered.get(cat, 0) + 1
         if ledger is not None:
             ledger.add(prompt.sample_id, reason, cat)
