@@ -59,11 +59,12 @@ def curve_points(pipe) -> list[dict]:
 def _evaluate_point(pipe, point, prompts, n_tpf, eos) -> dict:
     from megatron_jf.checkpointing import load_model
     from megatron_jf.decoding import PAPER
-    from megatron_jf.inference.engine import DecodeConfig, Engine
+    from megatron_jf.inference.engine import DecodeConfig
+    from megatron_jf.inference.llm import LLM
 
     p = pipe.p
     model, _, _ = load_model(str(pipe.path(point["ckpt"])), iteration=point["iteration"])
-    eng = Engine(model)
+    eng = LLM.from_model(model).engine
     R = p.response_tokens
     ar = eng.generate(prompts, DecodeConfig("ar"), max_new_tokens=R, eos_ids=eos)
     jac = eng.generate(prompts[:n_tpf], DecodeConfig("jacobi", block_size=p.n2, **PAPER), max_new_tokens=R,

@@ -197,11 +197,12 @@ def _evaluate_model(ckpt, label, prompts, held, decoders, p, eos, fit=(), templa
     from megatron_jf.eval.hf_baseline import hf_twin, time_hf_greedy_decode
     from megatron_jf.decoding import PAPER
     from megatron_jf.eval.speed import LosslessError, divergence, measure
-    from megatron_jf.inference.engine import DecodeConfig, Engine
+    from megatron_jf.inference.engine import DecodeConfig
+    from megatron_jf.inference.llm import LLM
     from recipes.quickstart.timing import time_interleaved, torch_threads
 
     model = _load(ckpt)
-    eng = Engine(model)
+    eng = LLM.from_model(model).engine
     R = p.response_tokens
     if isinstance(held, list):  # math domain: the held-out problems' ground-truth answers given their questions
         nll, argmax = answer_nll(model, held, min(eos))
