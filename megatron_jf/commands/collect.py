@@ -105,7 +105,7 @@ def main(argv=None) -> int:
 
             check_load_dir(args.load)  # before torch is imported
         cli.set_threads(args.threads)
-        from megatron_jf.data.collection import run as collect
+        from megatron_jf.data.collect_job import run as collect
 
         collect(args)
         return 0

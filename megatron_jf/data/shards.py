@@ -22,9 +22,6 @@ Integrity on read: tar header checksums (``tarfile``), a required end-of-archive
 blocks -- ``tarfile`` silently stops at a corrupt or missing header, so we check the marker
 ourselves), the per-sample SHA-256, and record validation. Every failure raises ``ValueError``
 naming the shard path (and the sample key where known).
-
-The repetition filter used by the collector lives in :mod:`megatron_jf.data.filters` and is
-re-exported here (:func:`is_degenerate`).
 """
 
 from __future__ import annotations
@@ -45,7 +42,6 @@ import numpy as np
 import torch
 import webdataset
 
-from .filters import degeneracy_reason, is_degenerate  # noqa: F401  (re-export for the collector)
 from .trajectory import BlockTrajectory, TrajectoryRecord
 
 __all__ = [
@@ -64,8 +60,6 @@ __all__ = [
     "write_manifest",
     "read_manifest",
     "expand_sources",
-    "is_degenerate",
-    "degeneracy_reason",
 ]
 
 SHARD_FORMAT = "megatron-jf-trajectory"

@@ -24,7 +24,7 @@ dumps, stdin/stdout on ``/dev/null``, and an audit hook that refuses writes/dele
 process creation, ``os.kill``, sockets, ``ctypes`` calls and ``setrlimit`` (defence in depth: code in the same
 process can switch it off; the namespaces are the boundary). ``if __name__ == "__main__":`` blocks of the solution
 do not run, and ``sys.exit()`` before the tests finish is a failure. Where namespaces do not work,
-:class:`SandboxUnavailable` is raised unless ``isolation="none"`` is passed (plain subprocess, audit hook only).
+:class:`~megatron_jf.eval.sandbox.SandboxUnavailable` is raised unless ``isolation="none"`` is passed (plain subprocess, audit hook only).
 
 The verdict of :func:`run_program` is the program's own result line, which code that defeats the audit hook can
 forge; benchmark scoring therefore uses :mod:`megatron_jf.eval.verdict`, where the tests run outside the sandbox
@@ -53,11 +53,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .sandbox import (  # noqa: F401  (SandboxUnavailable, ISOLATIONS re-exported)
+from .sandbox import (
     DEFAULT_TMPFS_BYTES,
-    ISOLATIONS,
     SANDBOX_WORKDIR,
-    SandboxUnavailable,
     bwrap_command,
     check_isolation,
     popen_user_kwargs,
@@ -70,7 +68,6 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "DEFAULT_WORKERS",
     "ExecResult",
-    "SandboxUnavailable",
     "build_humaneval_program",
     "build_mbpp_program",
     "extract_code",

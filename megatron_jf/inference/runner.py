@@ -31,19 +31,6 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def rows_view(cache, lo: int, hi: int):
-    """A :class:`~megatron_jf.models.kv_cache.KVCache` over rows ``[lo, hi)`` of ``cache``, sharing its buffers
-    and lengths (a forward and commit on the view act on those rows only)."""
-    if lo == 0 and hi == cache.batch_size:
-        return cache
-    v = object.__new__(type(cache))
-    v.__dict__.update(cache.__dict__)
-    v.__dict__.pop("_static_decoder", None)  # a view runs its own static shapes
-    v.k, v.v, v.lengths = cache.k[:, lo:hi], cache.v[:, lo:hi], cache.lengths[lo:hi]
-    v.batch_size, v._step = hi - lo, None
-    return v
-
-
 class ModelRunner:
     """Forwards for one batch of ``capacity`` rows of ``max_len`` KV slots each.
 
@@ -157,7 +144,7 @@ class ModelRunner:
             ``(logits, view)``: float32 ``[hi - lo, s, V]`` (``s`` the longest row; shorter rows are padded with a
             causal tail that is never committed) and the cache view the forward wrote (commit on it).
         """
-        view = rows_view(self.cache, lo, hi)
+        view = self.cache.view(lo, hi)
         m = hi - lo
         s = max(len(x) for x in seqs)
         mask = torch.ones(m, s, s, dtype=torch.bool).tril_() if tree else None
@@ -183,4 +170,4 @@ class ModelRunner:
     def second_pass(self, view, i: int, **kw):
         """MR's ``pruned`` verification of row ``i`` of ``view`` after its main-chain forward
         (:func:`~megatron_jf.inference.mr_verify.pruned_second_pass`; ``kw``: its keyword arguments)."""
-        return mr_verify.pruned_second_pass(self.model, rows_view(view, i, i + 1), impl=self.impl, **kw)
+        return mr_verify.pruned_second_pass(self.model, view.view(i, i + 1), impl=self.impl, **kw)

@@ -17,6 +17,8 @@ Tensor layout: ``k[layer]``, ``v[layer]``: ``[B, G, max_len, D]`` (G = KV heads 
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 
@@ -207,6 +209,18 @@ class KVCache:
         if lengths.shape != self.lengths.shape or bool((lengths > self.lengths).any()) or bool((lengths < 0).any()):
             raise ValueError(f"trim() lengths {lengths.tolist()} must be within [0, {self.lengths.tolist()}]")
         self.lengths = lengths.clone()
+
+    def view(self, lo: int, hi: int) -> "KVCache":
+        """A cache over rows ``[lo, hi)`` sharing this one's buffers and lengths: a forward and commit on the view act
+        on those rows only (this cache itself for the full range). A view has no step in progress and no static
+        decoder of its own yet (:mod:`megatron_jf.inference.static_decode` keys one per view)."""
+        if lo == 0 and hi == self.batch_size:
+            return self
+        v = copy.copy(self)
+        v.__dict__.pop("_static_decoder", None)
+        v.k, v.v, v.lengths = self.k[:, lo:hi], self.v[:, lo:hi], self.lengths[lo:hi]
+        v.batch_size, v._step = hi - lo, None
+        return v
 
     def copy_row(self, src: int, dst: int) -> None:
         """Make row ``dst`` an exact copy of row ``src`` (its committed tokens)."""
