@@ -86,6 +86,19 @@ class DecodeConfig:
                           f"n={self.block_size}, which retires at n; this runs as K=1 (use r <= "
                           f"{(self.block_size - 1) / self.block_size:.3g})", UserWarning, stacklevel=3)
 
+    @property
+    def label(self) -> str:
+        """The method's name in tables and reports: ``"AR"``, ``"Jacobi (n=16)"``, ``"Running-window (n=16)"``,
+        ``"MR (n=16, K=2, r=0.85, v=4)"``."""
+        d, n = self.decoder, self.block_size
+        if d == "ar":
+            return "AR"
+        if d == "jacobi":
+            return f"Jacobi (n={n})"
+        if d == "running-window":
+            return f"Running-window (n={n})"
+        return f"MR (n={n}, K={self.num_blocks}, r={self.spawn_threshold:g}, v={self.verification_size})"
+
 
 def forward_width(cfg: DecodeConfig) -> int:
     """Most tokens one row forwards per decode step under ``cfg`` (``last`` + drafts + recycled candidates):

@@ -102,15 +102,8 @@ def decode_config_from(decoder: str, **kw: Any):
 
 
 def method_name(cfg) -> str:
-    """Human-readable method label for tables, e.g. ``"AR"``, ``"Jacobi (n=16)"``, ``"MR (n=16, K=2, r=0.85, v=4)"``."""
-    d = cfg.decoder
-    if d == "ar":
-        return "AR"
-    if d == "jacobi":
-        return f"Jacobi (n={cfg.block_size})"
-    if d == "running-window":
-        return f"Running-window (n={cfg.block_size})"
-    return f"MR (n={cfg.block_size}, K={cfg.num_blocks}, r={cfg.spawn_threshold:g}, v={cfg.verification_size})"
+    """``cfg.label`` (:attr:`DecodeConfig.label <megatron_jf.decoding.DecodeConfig.label>`)."""
+    return cfg.label
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -471,7 +464,7 @@ def run_evaluation(cfg: EvalConfig, *, loaded: Optional[LLM] = None,
                         f"token {tie.position}, logit gap {tie.gap:.1e}); counted, not an error")
                 ar_rec = {"completion": ar_text[j], "correct": ar_scores[j].correct, "status": ar_scores[j].status,
                           **_gen_stats(ar_out[j], ar_wall / len(batch))}
-                extra = {"run_key": run_key, "method": method_name(dec_cfg), "decoder": cfg.decoder,
+                extra = {"run_key": run_key, "method": dec_cfg.label, "decoder": cfg.decoder,
                          "lossless": lossless, "gen": _gen_stats(dec_out[j], dec_wall / len(batch)), "ar": ar_rec,
                          "prompt_tokens": len(bids[j]), "accepted": dec_out[j].accepted}
                 if tie is not None:
@@ -492,7 +485,7 @@ def run_evaluation(cfg: EvalConfig, *, loaded: Optional[LLM] = None,
     records = [r for r in writer.records if r["task_id"] in wanted]
     summary = summarize_records(records)
     task = TASK_NAMES.get(cfg.benchmark or "", cfg.stem.rsplit("_", 1)[0])
-    method = method_name(dec_cfg)
+    method = dec_cfg.label
     paths = {"jsonl": jsonl, "summary": os.path.join(cfg.out_dir, cfg.stem + ".summary.json"),
              "table": os.path.join(cfg.out_dir, cfg.stem + ".md")}
     summary.update({
