@@ -103,6 +103,7 @@ def test_mixed_configs_in_one_session_equal_offline(engines, split):
     padded forward, or wide and narrow rows in two); rows join mid-way and some leave early (removed);
     every finished row equals its own offline generate."""
     from megatron_jf.inference.engine import DecodeConfig
+    from megatron_jf.inference.request import Request
     from megatron_jf.inference.sampling import SamplingParams
 
     for name, eng in engines.items():
@@ -127,8 +128,7 @@ def test_mixed_configs_in_one_session_equal_offline(engines, split):
 
         def add(i):
             s = specs[i]
-            keys[sess.add(s["prompt"], s["cfg"], max_new_tokens=s["max_new"], sampling=s["sampling"],
-                          eos_ids=s["eos"])] = i
+            keys[sess.add(s["prompt"], Request(s["cfg"], s["sampling"], s["max_new"], eos_ids=s["eos"]))] = i
 
         for i in range(4):
             add(i)
@@ -158,12 +158,13 @@ def test_mixed_configs_in_one_session_equal_offline(engines, split):
 
 def test_session_limits_named(engines):
     from megatron_jf.inference.engine import DecodeConfig
+    from megatron_jf.inference.request import Request
 
     eng = engines["random"]
     sess = eng.open_batch(1, max_width=16)
     with pytest.raises(ValueError, match="forwards 41 tokens per step; this batch allows at most 16"):
-        sess.add([1, 2], DecodeConfig("mr", block_size=8, num_blocks=2, verification_size=4))
-    sess.add([1, 2], DecodeConfig("jacobi", block_size=8), max_new_tokens=5)
+        sess.add([1, 2], Request(DecodeConfig("mr", block_size=8, num_blocks=2, verification_size=4)))
+    sess.add([1, 2], Request(DecodeConfig("jacobi", block_size=8), max_new_tokens=5))
     with pytest.raises(ValueError, match="the batch is full"):
         sess.add([1, 2])
     while sess.num_rows:

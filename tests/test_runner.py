@@ -41,6 +41,7 @@ def test_a_session_keeps_a_bounded_number_of_static_decoders(model, monkeypatch)
     """A long-lived session (the server's) whose row count changes holds at most max_static_views decoders and
     still decodes exactly as AR."""
     from megatron_jf.inference.engine import DecodeConfig, Engine
+    from megatron_jf.inference.request import Request
 
     monkeypatch.setenv("MEGATRON_JF_STATIC_DECODE", "force")
     eng = Engine(model, check_invariants=True)
@@ -51,7 +52,7 @@ def test_a_session_keeps_a_bounded_number_of_static_decoders(model, monkeypatch)
     sess.runner.max_static_views = 2
     keys, out, seen = {}, {}, 0
     for i, p in enumerate(prompts):  # one row joins per step: views over 1, 2, 3, ... rows
-        keys[sess.add(p, DecodeConfig("running-window", block_size=3), max_new_tokens=12 - i)] = i
+        keys[sess.add(p, Request(DecodeConfig("running-window", block_size=3), max_new_tokens=12 - i))] = i
         for k, r in sess.step():
             out[keys[k]] = r.tokens
         seen = max(seen, len(sess.runner._static))

@@ -277,15 +277,15 @@ def test_queue_full_503(srv):
     from fastapi.testclient import TestClient
 
     from megatron_jf.inference.engine import DecodeConfig
-    from megatron_jf.inference.sampling import SamplingParams
+    from megatron_jf.inference.request import Request, SamplingParams
     from megatron_jf.server.app import create_app
     from megatron_jf.server.scheduler import GenRequest, QueueFullError, Scheduler
 
     sched = Scheduler(srv.engine, srv.tok.decode, max_batch=1, max_queue=1, batch_wait_s=0)
     app = create_app(sched, srv.tok, default_config=DecodeConfig("ar"))
     ids = srv.tok.encode("The quick")
-    long = [GenRequest(prompt=ids, max_tokens=MAX_CTX - len(ids), config=DecodeConfig("ar"),
-                       sampling=SamplingParams()) for _ in range(2)]
+    long = [GenRequest(prompt=ids, request=Request(DecodeConfig("ar"), SamplingParams(), MAX_CTX - len(ids)))
+            for _ in range(2)]
     try:
         with TestClient(app) as tc:
             sched.submit(long[0])
@@ -297,7 +297,7 @@ def test_queue_full_503(srv):
             assert r.status_code == 503 and r.json()["error"]["type"] == "server_busy", r.text
             assert "queue is full" in r.json()["error"]["message"]
             with pytest.raises(QueueFullError):
-                sched.submit(GenRequest(prompt=ids, max_tokens=2, config=DecodeConfig("ar"), sampling=SamplingParams()))
+                sched.submit(GenRequest(prompt=ids, request=Request(DecodeConfig("ar"), max_new_tokens=2)))
             t0 = time.time()
             while sched.queue_depth() and time.time() - t0 < 30:
                 time.sleep(0.01)
@@ -359,7 +359,7 @@ def test_running_gauge_drops_before_the_result_is_handed_back(srv):
     import asyncio
 
     from megatron_jf.inference.engine import DecodeConfig
-    from megatron_jf.inference.sampling import SamplingParams
+    from megatron_jf.inference.request import Request
     from megatron_jf.server.metrics import Metrics
     from megatron_jf.server.scheduler import GenRequest, Scheduler
 
@@ -372,7 +372,7 @@ def test_running_gauge_drops_before_the_result_is_handed_back(srv):
             if kind == "done":
                 seen.append(metrics._running.labels("gauge")._value.get())
 
-    reqs = [Probe(prompt=srv.tok.encode(p), max_tokens=4 + i, config=DecodeConfig("ar"), sampling=SamplingParams(),
+    reqs = [Probe(prompt=srv.tok.encode(p), request=Request(DecodeConfig("ar"), max_new_tokens=4 + i),
                   loop=asyncio.new_event_loop(), queue=None) for i, p in enumerate(["The quick", "hi there"])]
     try:
         for r in reqs:

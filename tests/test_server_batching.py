@@ -274,7 +274,7 @@ def test_error_mid_stream_counted_as_500(srv):
     orig = GenRequest._emit
 
     def failing(self, kind, payload):  # the engine fails after the first tokens of this request
-        if kind == "done" and self.max_tokens == 17:
+        if kind == "done" and self.request.max_new_tokens == 17:
             kind, payload = "error", RuntimeError("engine failed")
         orig(self, kind, payload)
 

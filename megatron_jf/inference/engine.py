@@ -35,8 +35,9 @@ stop strings (needs ``detokenize``; the output ends right before the first occur
 see :class:`GenerationResult`), and ``max_new_tokens`` exactly.
 
 Batching: :class:`BatchSession` (``Engine.open_batch``) is the step-level API -- rows carry their own
-decode config, sampling parameters, ``max_new_tokens``, EOS ids and stop strings, join between steps and
-leave when finished or removed; :meth:`Engine.generate` is one session stepped to the end.
+:class:`~megatron_jf.inference.request.Request` (decode config, sampling parameters, ``max_new_tokens``, EOS ids,
+stop strings), join between steps and leave when finished or removed; :meth:`Engine.generate` is one session
+stepped to the end.
 
 Layout (nano-vllm style): the drafting rules are engine-independent policies (:mod:`megatron_jf.decoding`); a
 batch is a :class:`~megatron_jf.inference.slots.SlotTable` (KV rows, admission, compaction, swaps), a
@@ -48,19 +49,21 @@ implementation and its switches an :class:`~megatron_jf.inference.options.Infere
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from megatron_jf.decoding import DECODERS, DRAFT_INITS, DecodeConfig, forward_width
 from megatron_jf.decoding.width import ForwardCost, StepCalibration
 from megatron_jf.inference import cost_model
 from megatron_jf.inference.options import InferenceOptions, gemv_mode, mr_verify_mode
+from megatron_jf.inference.request import Request, SamplingParams
 from megatron_jf.inference.results import GenerationResult
-from megatron_jf.inference.sampling import SamplingParams
 from megatron_jf.inference.session import BatchSession
 from megatron_jf.models.gpt import unwrap
 
 __all__ = ["DECODERS", "DRAFT_INITS", "BatchSession", "DecodeConfig", "Engine", "GenerationResult", "InferenceOptions",
-           "forward_width"]
+           "Request", "SamplingParams", "forward_width"]
 
 
 class Engine:
@@ -127,7 +130,7 @@ class Engine:
                             split_min_saving=split_min_saving)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], config: DecodeConfig = DecodeConfig(), *,
+    def generate(self, prompts: list[list[int]], request: Request | list[Request] | DecodeConfig = DecodeConfig(), *,
                  max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
                  eos_ids: frozenset[int] | set[int] = frozenset(), stop_strings: tuple[str, ...] = (),
                  detokenize=None, record_trajectory: bool = False, on_tokens=None) -> list[GenerationResult]:
@@ -137,13 +140,17 @@ class Engine:
 
         Args:
             prompts: token ids per request (each non-empty).
-            config: decoder and its parameters.
+            request: a :class:`~megatron_jf.inference.request.Request` for every prompt (prompt ``i`` samples with
+                seed ``request.row_seed + i`` and is named ``prompt i`` in errors), a list of one per prompt (used
+                as given), or a :class:`DecodeConfig` -- then the keywords below make the Request (and must be left
+                at their defaults otherwise).
             max_new_tokens: exact cap on emitted tokens per request (>= 1).
             sampling: greedy (default) or sampling parameters; request ``i`` uses seed ``seed + i``.
             eos_ids: tokens that end a request (kept as its last token).
             stop_strings: strings that end a request (needs ``detokenize(ids) -> str``): the output
                 ends right before the first occurrence of any of them (see :class:`GenerationResult`).
             record_trajectory: keep every block's intermediate drafts (``jacobi`` decoder only).
+            detokenize: ``ids -> str``, needed by requests with stop strings.
             on_tokens: optional callback ``(row_index, new_token_ids)`` called as tokens are final
                 (with stop strings, tokens that may start a stop string are held back until decided).
 
@@ -152,20 +159,43 @@ class Engine:
 
         Raises:
             ValueError: an empty prompt, a prompt that leaves no room in the context window for
-                ``max_new_tokens``, ``max_new_tokens < 1``, stop strings without ``detokenize``, or
-                trajectory recording with a decoder other than ``jacobi``.
+                ``max_new_tokens``, ``max_new_tokens < 1`` (any invalid :class:`Request` field), stop strings without
+                ``detokenize``, trajectory recording with a decoder other than ``jacobi``, a list of requests whose
+                length is not the number of prompts, or request keywords next to a Request.
         """
         if not prompts:
             return []
-        width = forward_width(config)
-        max_len = max(len(p) for p in prompts) + max_new_tokens + width + 1
+        requests = _requests(len(prompts), request, max_new_tokens=max_new_tokens, sampling=sampling,
+                             eos_ids=frozenset(eos_ids), stop_strings=tuple(stop_strings),
+                             record_trajectory=record_trajectory)
+        width = max(forward_width(r.decode) for r in requests)
+        max_len = max(len(p) + r.max_new_tokens for p, r in zip(prompts, requests)) + width + 1
         sess = BatchSession(self, len(prompts), max_width=width, max_len=max_len, detokenize=detokenize)
-        for i, p in enumerate(prompts):
-            sess.add(p, config, max_new_tokens=max_new_tokens, sampling=sampling, seed=sampling.seed + i,
-                     eos_ids=eos_ids, stop_strings=stop_strings, record_trajectory=record_trajectory,
-                     name=f"prompt {i}")
+        for p, r in zip(prompts, requests):
+            sess.add(p, r)
         results: dict[int, GenerationResult] = {}
         while sess.num_rows:
             for key, res in sess.step(on_tokens):
                 results[key] = res
         return [results[i] for i in range(len(prompts))]
+
+
+def _requests(n: int, request, **kw) -> list[Request]:
+    """One :class:`Request` per prompt from :meth:`Engine.generate`'s arguments (see there)."""
+    if isinstance(request, DecodeConfig):
+        one = Request(request, kw["sampling"], kw["max_new_tokens"], kw["stop_strings"], kw["eos_ids"],
+                      record_trajectory=kw["record_trajectory"])
+    else:
+        defaults = {"max_new_tokens": 128, "sampling": SamplingParams(), "eos_ids": frozenset(), "stop_strings": (),
+                    "record_trajectory": False}
+        given = sorted(k for k, v in kw.items() if v != defaults[k])
+        if given:
+            raise ValueError(f"generate: {', '.join(given)} given next to a Request (set them on the Request)")
+        if isinstance(request, Request):
+            one = request
+        else:
+            requests = list(request)
+            if len(requests) != n or not all(isinstance(r, Request) for r in requests):
+                raise ValueError(f"generate: expected {n} Requests (one per prompt), got {request!r}"[:300])
+            return requests
+    return [dataclasses.replace(one, seed=one.row_seed + i, name=f"prompt {i}") for i in range(n)]

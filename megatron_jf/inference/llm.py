@@ -135,7 +135,7 @@ class LLM:
         return cls(engine, tokenizer, frozenset(eos_ids), dict(meta or {}), "", unwrap(model).model_args)
 
     def generate(self, prompts: list, config=None, *, max_new_tokens: int = 128, sampling=None,
-                 stop_strings: tuple[str, ...] = (), eos_ids=None, **kw) -> list:
+                 stop_strings: tuple[str, ...] = (), eos_ids=None, request=None, **kw) -> list:
         """Generate for a batch of prompts: :meth:`Engine.generate <megatron_jf.inference.engine.Engine.generate>`
         with this checkpoint's stop ids and detokenizer.
 
@@ -143,21 +143,41 @@ class LLM:
             prompts: per request, text (encoded with the tokenizer, no chat template) or token ids.
             config: :class:`~megatron_jf.decoding.DecodeConfig` (None: its default, greedy AR).
             max_new_tokens: exact cap on emitted tokens per request (>= 1).
-            sampling: :class:`~megatron_jf.inference.sampling.SamplingParams` (None: greedy).
+            sampling: :class:`~megatron_jf.inference.request.SamplingParams` (None: greedy).
             stop_strings: stop strings (the detokenizer is the checkpoint's tokenizer).
             eos_ids: stop ids replacing the checkpoint's (None: :attr:`eos_ids`).
+            request: instead of ``config`` and the keywords above, a
+                :class:`~megatron_jf.inference.request.Request` for every prompt or a list of one per prompt
+                (as :meth:`Engine.generate`); a Request whose ``eos_ids`` is None gets :attr:`eos_ids`.
             **kw: further ``Engine.generate`` keywords (``record_trajectory``, ``on_tokens``).
 
         Returns:
             One :class:`~megatron_jf.inference.engine.GenerationResult` per prompt, in order.
 
         Raises:
-            ValueError: an empty prompt, a bad ``max_new_tokens``, or a prompt that does not fit the context.
+            ValueError: an empty prompt, a bad ``max_new_tokens``, a prompt that does not fit the context, or
+                ``request`` next to ``config`` or the request keywords.
         """
-        from megatron_jf.decoding import DecodeConfig
-        from megatron_jf.inference.sampling import SamplingParams
-
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        if request is not None:
+            import dataclasses
+
+            from megatron_jf.inference.request import Request
+
+            given = [k for k, v in (("config", config), ("sampling", sampling), ("eos_ids", eos_ids)) if v is not None]
+            given += [k for k, v in (("max_new_tokens", max_new_tokens != 128), ("stop_strings", tuple(stop_strings)))
+                      if v]
+            if given:
+                raise ValueError(f"generate: {', '.join(given)} given next to request= (set them on the Request)")
+
+            def own(r):
+                return dataclasses.replace(r, eos_ids=self.eos_ids) if r.eos_ids is None else r
+
+            request = own(request) if isinstance(request, Request) else [own(r) for r in request]
+            return self.engine.generate(ids, request, detokenize=self.tokenizer.decode, **kw)
+        from megatron_jf.decoding import DecodeConfig
+        from megatron_jf.inference.request import SamplingParams
+
         return self.engine.generate(ids, config or DecodeConfig(), max_new_tokens=max_new_tokens,
                                     sampling=sampling or SamplingParams(),
                                     eos_ids=self.eos_ids if eos_ids is None else eos_ids,

@@ -1,4 +1,5 @@
-"""Sampling parameters, the processed next-token distribution, and lossless verification of a draft.
+"""The processed next-token distribution and lossless verification of a draft (the parameters,
+:class:`~megatron_jf.inference.request.SamplingParams`, are plain data in :mod:`megatron_jf.inference.request`).
 
 Verification (paper Sec. 2.1 for greedy; the standard speculative rule for sampling): the draft
 tokens ``d_0..d_{m-1}`` are fixed *before* any random number of this step is drawn, and ``p_i`` is
@@ -12,42 +13,11 @@ and emit the argmax at the first mismatch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from megatron_jf.inference.request import SamplingParams
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens. ``temperature == 0`` means greedy.
-
-    Attributes:
-        temperature: softmax temperature (>= 0).
-        top_k: keep the k most likely tokens (0 = all).
-        top_p: nucleus mass in (0, 1] (1 = all).
-        seed: seed of the per-request random generator (same seed, same output).
-
-    Raises:
-        ValueError: on construction, for a negative temperature or top_k, or top_p outside (0, 1].
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-    @property
-    def greedy(self) -> bool:
-        """True when ``temperature == 0`` (argmax decoding)."""
-        return self.temperature == 0
+__all__ = ["SamplingParams", "argmax_list", "processed_probs", "verify"]
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -24,29 +24,28 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_jf.decoding import DecodeConfig, Outcome, accepted_prefix, forward_width, policy_for
+from megatron_jf.decoding import Outcome, accepted_prefix, forward_width, policy_for
 from megatron_jf.decoding.width import ForwardCost, RowDraft, choose_widths
 from megatron_jf.inference import cost_model, mr_verify
+from megatron_jf.inference.request import Request
 from megatron_jf.inference.results import GenerationResult
 from megatron_jf.inference.runner import ModelRunner
-from megatron_jf.inference.sampling import SamplingParams, argmax_list, verify
+from megatron_jf.inference.sampling import argmax_list, verify
 from megatron_jf.inference.slots import SlotTable
 from megatron_jf.inference.stops import find_stop
 
 
 @dataclass(eq=False)
 class Row:
-    """One request in a batch: its limits, its policy and policy state, and what it emitted so far."""
+    """One request in a batch: its :class:`~megatron_jf.inference.request.Request` (as given to
+    :meth:`BatchSession.add`), its policy and policy state, and what it emitted so far."""
 
     key: int
     prompt: list[int]
-    cfg: DecodeConfig
+    request: Request
     policy: object
     state: object
-    sampling: SamplingParams
-    max_new: int
-    eos_ids: frozenset
-    stops: tuple[str, ...]
+    eos_ids: frozenset                                # request.eos_ids, or none when it is None
     ctx: list[int]                                    # prompt + out: the committed tokens the policy sees
     slot: int = -1
     out: list[int] = field(default_factory=list)
@@ -68,8 +67,9 @@ class Row:
 
 
 class BatchSession:
-    """Continuous batching: rows with their own decode config, sampling parameters, ``max_new_tokens``,
-    EOS ids and stop strings decode together, one forward per :meth:`step` for every row.
+    """Continuous batching: rows with their own :class:`~megatron_jf.inference.request.Request` (decode config,
+    sampling parameters, ``max_new_tokens``, EOS ids, stop strings) decode together, one forward per :meth:`step`
+    for every row.
 
     A row :meth:`add`-ed between steps is prefilled at the start of the next step and then joins that
     step's decode forward; a row :meth:`remove`-d (e.g. its client disconnected) leaves before the next
@@ -115,31 +115,28 @@ class BatchSession:
         """Rows that can still be added."""
         return self.slots.free
 
-    def add(self, prompt: list[int], config: DecodeConfig = DecodeConfig(), *, max_new_tokens: int = 128,
-            sampling: SamplingParams = SamplingParams(), seed: int | None = None,
-            eos_ids: frozenset[int] | set[int] = frozenset(), stop_strings: tuple[str, ...] = (),
-            record_trajectory: bool = False, name: str = "prompt") -> int:
+    def add(self, prompt: list[int], request: Request = Request()) -> int:
         """Queue one request; it joins at the next :meth:`step`. Returns its key (for results and on_tokens).
 
         Args:
             prompt: token ids (non-empty).
-            config, max_new_tokens, eos_ids, stop_strings, record_trajectory: as in :meth:`Engine.generate`.
-            sampling: greedy or sampled; ``seed`` (default ``sampling.seed``) seeds this row's sampling
-                generator. The draft initialisation is seeded by ``sampling.seed`` and the prompt.
+            request: the row's settings (:class:`~megatron_jf.inference.request.Request`), kept as ``Row.request``;
+                its :attr:`~megatron_jf.inference.request.Request.row_seed` seeds this row's sampling generator, and
+                ``sampling.seed`` with the prompt the draft initialisation.
 
         Raises:
-            ValueError: no free row, an empty prompt, prompt + ``max_new_tokens`` past the context window,
-                ``max_new_tokens < 1``, a config wider than ``max_width`` tokens per forward, stop strings
-                without a detokenize function, trajectories with a decoder other than ``jacobi``.
+            ValueError: no free row, an empty prompt, prompt + ``max_new_tokens`` past the context window
+                (:class:`~megatron_jf.inference.request.ContextError`), a config wider than ``max_width`` tokens per
+                forward, stop strings without a detokenize function, trajectories with a decoder other than
+                ``jacobi``.
         """
-        self.slots.check(prompt, config, max_new_tokens, stop_strings=stop_strings, detokenize=self.detokenize,
-                         name=name)
-        policy = policy_for(config)
-        state = policy.new_state(prompt, sampling.seed, record_trajectory=record_trajectory)
-        r = Row(key=next(self._keys), prompt=list(prompt), cfg=config, policy=policy, state=state, sampling=sampling,
-                max_new=max_new_tokens, eos_ids=frozenset(eos_ids), stops=tuple(stop_strings), ctx=list(prompt))
-        if not sampling.greedy:
-            r.gen = torch.Generator().manual_seed(sampling.seed if seed is None else seed)
+        self.slots.check(prompt, request, detokenize=self.detokenize)
+        policy = policy_for(request.decode)
+        state = policy.new_state(prompt, request.sampling.seed, record_trajectory=request.record_trajectory)
+        r = Row(key=next(self._keys), prompt=list(prompt), request=request, policy=policy, state=state,
+                eos_ids=request.eos_ids or frozenset(), ctx=list(prompt))
+        if not request.sampling.greedy:
+            r.gen = torch.Generator().manual_seed(request.row_seed)
         self.slots.pending.append(r)
         return r.key
 
@@ -217,7 +214,7 @@ class BatchSession:
         (:func:`~megatron_jf.decoding.width.choose_widths` over the engine's forward cost, its step calibration and
         each row's acceptance statistics); other rows forward their whole draft, and count as such in the forward's
         length. Returns the cost table used (None when no auto row had a draft)."""
-        auto = [r.cfg.draft_width == "auto" and getattr(r.state, "traj", None) is None for r in rows]
+        auto = [r.request.decode.draft_width == "auto" and getattr(r.state, "traj", None) is None for r in rows]
         if not any(a and r.draft for a, r in zip(auto, rows)):
             return None
         cost = self.engine.forward_cost(len(rows), self.max_width)
@@ -244,7 +241,7 @@ class BatchSession:
         m = len(self._rows)
         if self.split_min_saving is None or m < 2:
             return 0
-        ws = [forward_width(r.cfg) for r in self._rows]
+        ws = [forward_width(r.request.decode) for r in self._rows]
         wmax = max(ws)
         narrow = [4 * w <= wmax for w in ws]
         n_wide = m - sum(narrow)
@@ -310,13 +307,13 @@ class BatchSession:
         ``k_main`` the draft's greedy match); ``best``: the winning recycled candidate
         (:class:`~megatron_jf.inference.mr_verify.Branch`) or None for the draft. Returns the row's
         ``KVCache.commit`` entry: a count (prefix of this forward's tokens) or slot indices."""
-        greedy = r.sampling.greedy  # greedy verification needs only the argmax, computed once already
+        greedy = r.request.sampling.greedy  # greedy verification needs only the argmax, computed once already
         if best is None:
-            emitted = r.draft[:k_main] + [g[k_main]] if greedy else verify(r.draft, main, r.sampling, r.gen)
+            emitted = r.draft[:k_main] + [g[k_main]] if greedy else verify(r.draft, main, r.request.sampling, r.gen)
             slots = None
         else:
             emitted = (best.tokens[:best.matched] + [best.next_token] if greedy
-                       else verify(best.tokens, best.logits, r.sampling, r.gen))
+                       else verify(best.tokens, best.logits, r.request.sampling, r.gen))
             slots = best.slots
         from_draft = len(emitted) - 1
         finish = ""
@@ -324,7 +321,7 @@ class BatchSession:
             if t in r.eos_ids:
                 emitted, finish = emitted[: j + 1], "eos"
                 break
-        room = r.max_new - len(r.out)
+        room = r.request.max_new_tokens - len(r.out)
         if len(emitted) > room:
             emitted = emitted[:room]
             finish = "eos" if emitted and emitted[-1] in r.eos_ids else "length"
@@ -334,8 +331,8 @@ class BatchSession:
         r.out.extend(emitted)
         r.ctx.extend(emitted)
         safe = len(r.out)
-        if r.stops:
-            cut, tail, safe = find_stop(r.out, r.sent, r.stops, self.detokenize)
+        if r.request.stop_strings:
+            cut, tail, safe = find_stop(r.out, r.sent, r.request.stop_strings, self.detokenize)
             if cut is not None:
                 del r.out[cut:]
                 r.tail, finish, safe = tail, "stop", cut

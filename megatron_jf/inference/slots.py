@@ -4,29 +4,16 @@ Live rows occupy a compact prefix of the cache's rows (row ``i`` of :attr:`SlotT
 ``i``), so a forward covers only live rows: a finishing row's slot is filled by the last live row
 (:meth:`SlotTable.release`), and two rows can trade places (:meth:`SlotTable.swap`, used to put the wide rows of a
 split step first). Requests wait in :attr:`SlotTable.pending` until the next step prefills them into free rows.
-Admission (:meth:`SlotTable.check`, :func:`check_request`) is the one place a request's size is checked against
-the context window, the per-row forward budget and the cache -- also for the server's queue.
+Admission (:meth:`SlotTable.check`) checks a request against this batch -- a free row, the per-row forward budget,
+the KV slots -- and against the context window through :func:`megatron_jf.inference.request.check`, the one
+definition of that check (the server's protocol calls it too, against the server's window, to answer 400 before
+queueing).
 """
 
 from __future__ import annotations
 
 from megatron_jf.decoding import forward_width
-
-
-def check_request(prompt, max_new_tokens: int, max_context: int, name: str = "prompt") -> None:
-    """A request fits the model: a non-empty prompt, ``max_new_tokens >= 1``, prompt + ``max_new_tokens`` within
-    the context window (tokens).
-
-    Raises:
-        ValueError: naming the problem (and ``name``).
-    """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if len(prompt) == 0:
-        raise ValueError(f"{name} is empty")
-    if len(prompt) + max_new_tokens > max_context:
-        raise ValueError(f"{name} has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} it exceeds "
-                         f"the context window of {max_context} tokens")
+from megatron_jf.inference.request import Request, check
 
 
 class SlotTable:
@@ -61,24 +48,24 @@ class SlotTable:
         """Rows that can still be admitted."""
         return self.capacity - self.num_rows
 
-    def check(self, prompt, config, max_new_tokens: int, *, stop_strings=(), detokenize=None,
-              name: str = "prompt") -> None:
-        """Whether a request can join now (a free row; :func:`check_request`; its config's width within
-        ``max_width``; prompt + ``max_new_tokens`` + width within the row's ``max_len`` slots).
+    def check(self, prompt, request: Request, *, detokenize=None) -> None:
+        """Whether ``request`` for ``prompt`` (token ids) can join now: a free row; stop strings only with
+        ``detokenize``; the prompt within the context window (:func:`~megatron_jf.inference.request.check`); the
+        config's width within ``max_width``; prompt + ``max_new_tokens`` + width within the row's ``max_len`` slots.
 
         Raises:
-            ValueError: no free row, or the request does not fit (message names the limit).
+            ValueError: no free row, or the request does not fit (message names the limit and ``request.name``).
         """
         if self.free <= 0:
             raise ValueError(f"the batch is full ({self.capacity} rows)")
-        if stop_strings and detokenize is None:
+        if request.stop_strings and detokenize is None:
             raise ValueError("stop strings need a detokenize function")
-        check_request(prompt, max_new_tokens, self.max_context, name)
-        w = forward_width(config)
+        check(request, len(prompt), self.max_context)
+        w = forward_width(request.decode)
         if w > self.max_width:
             raise ValueError(f"decode config forwards {w} tokens per step; this batch allows at most {self.max_width}")
-        if len(prompt) + max_new_tokens + w + 1 > self.max_len:
-            raise ValueError(f"{name}: prompt + max_new_tokens + {w} draft tokens exceed the KV cache "
+        if len(prompt) + request.max_new_tokens + w + 1 > self.max_len:
+            raise ValueError(f"{request.name}: prompt + max_new_tokens + {w} draft tokens exceed the KV cache "
                              f"({self.max_len} slots)")
 
     def place(self, rows: list) -> int:

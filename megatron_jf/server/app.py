@@ -187,10 +187,8 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str = "megatron-j
         protocol.check_json(body, limits.max_json_depth)
         return body
 
-    def _submit(p: ParsedRequest, i: int, loop, seed_offset: int = 0) -> GenRequest:
-        req = GenRequest(prompt=p.prompts[i], max_tokens=p.max_tokens, config=p.config, sampling=p.sampling,
-                         seed_offset=seed_offset, stop=p.stop, eos_ids=eos | p.extra_eos, seeded=p.seeded, loop=loop,
-                         queue=asyncio.Queue())
+    def _submit(p: ParsedRequest, i: int, loop) -> GenRequest:
+        req = GenRequest(prompt=p.prompts[i], request=p.requests[i], loop=loop, queue=asyncio.Queue())
         scheduler.submit(req)
         return req
 
@@ -264,7 +262,7 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str = "megatron-j
             toks.append(all_ids)
             segs.append([tokenizer.decode([t], skip_special_tokens=False) for t in all_ids])
         return {"text": texts, "segments": segs, "tokens": toks, "logprobs": None,
-                "jf": [_stats(p.config, o) for o in outs]}
+                "jf": [_stats(p.decode, o) for o in outs]}
 
     # ------------------------------------------------------------------ Megatron
     @app.put("/api")
@@ -272,12 +270,12 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str = "megatron-j
     async def api(request: Request):
         raw = await _body(request)
         p = await run_in_threadpool(lambda: protocol.parse_megatron(_decode_json(raw), tokenizer, limits,
-                                                                     default_config))
+                                                                     default_config, eos))
         loop = asyncio.get_running_loop()
         reqs = []
         try:
             for i in range(len(p.prompts)):
-                reqs.append(_submit(p, i, loop, seed_offset=i))
+                reqs.append(_submit(p, i, loop))
         except Exception:  # e.g. the queue filled up after some prompts: drop those too
             for r in reqs:
                 r.cancel()
@@ -291,7 +289,8 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str = "megatron-j
     async def _openai(request: Request, chat: bool):
         raw = await _body(request)
         parse = protocol.parse_chat if chat else protocol.parse_completion
-        p = await run_in_threadpool(lambda: parse(_decode_json(raw), tokenizer, limits, model_name, default_config))
+        p = await run_in_threadpool(lambda: parse(_decode_json(raw), tokenizer, limits, model_name, default_config,
+                                                  eos))
         loop = asyncio.get_running_loop()
         req = _submit(p, 0, loop)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -309,7 +308,7 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str = "megatron-j
                                  "choices": [choice],
                                  "usage": {"prompt_tokens": plen, "completion_tokens": len(out.tokens),
                                            "total_tokens": plen + len(out.tokens)},
-                                 "jf": _stats(p.config, out)})
+                                 "jf": _stats(p.decode, out)})
         endpoint = "/v1/chat/completions" if chat else "/v1/completions"
         return StreamingResponse(_stream(req, p, rid, chat, plen, endpoint), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -355,7 +354,7 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str = "megatron-j
                     done, code = True, 200
                     tail = await run_in_threadpool(dec.flush) + out.tail_text
                     yield chunk(tail, finish=_finish(out.finish_reason), ids=[],
-                                extra={"jf": {"token_ids": [], **_stats(p.config, out)}})
+                                extra={"jf": {"token_ids": [], **_stats(p.decode, out)}})
                     if p.include_usage:
                         u = {"id": rid, "object": obj, "created": created_t, "model": model_name, "choices": [],
                              "usage": {"prompt_tokens": plen, "completion_tokens": len(out.tokens),
@@ -382,7 +381,7 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str = "megatron-j
     # ------------------------------------------------------------------ info
     @app.get("/health")
     async def health():
-        return {"status": "ok", "queue_depth": scheduler.queue_depth(), "batches_run": scheduler.batches_run}
+        return {"status": "ok", "queue_depth": scheduler.queue_depth(), "batches_run": scheduler.steps_run}
 
     @app.get("/v1/models")
     async def models():

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 from dataclasses import dataclass
 
-from megatron_jf.inference.engine import DecodeConfig, forward_width
-from megatron_jf.inference.sampling import SamplingParams
+from megatron_jf.decoding import DecodeConfig, forward_width
+from megatron_jf.inference.request import ContextError, Request, SamplingParams, check
 
 
 class RequestError(ValueError):
@@ -44,12 +45,10 @@ class ParsedRequest:
     Attributes:
         prompts: token ids per prompt (``/api`` may carry several; OpenAI endpoints one).
         prompt_texts: the prompt strings (for Megatron's ``text`` = prompt + generation).
-        max_tokens: new-token cap per prompt.
-        config: decode config.
-        sampling: sampling params (seed ``0`` when none was given -- see ``seeded``).
-        seeded: the client gave a seed.
-        stop: stop strings.
-        extra_eos: extra stop token ids (Megatron ``stop_token``).
+        requests: one :class:`~megatron_jf.inference.request.Request` per prompt, final: ``max_new_tokens`` from
+            ``tokens_to_generate`` / ``max_tokens`` / ``max_completion_tokens``, EOS ids the server's plus
+            Megatron's ``stop_token``, the seed of prompt ``i`` the client's seed ``+ i`` (a sampled request without
+            one: a fresh random seed per prompt), each checked against the context window.
         stream: SSE streaming (OpenAI endpoints).
         include_usage: ``stream_options.include_usage``.
         no_log: Megatron ``no_log`` (do not log the request).
@@ -57,15 +56,15 @@ class ParsedRequest:
 
     prompts: list[list[int]]
     prompt_texts: list[str]
-    max_tokens: int
-    config: DecodeConfig
-    sampling: SamplingParams
-    seeded: bool = False
-    stop: tuple[str, ...] = ()
-    extra_eos: frozenset = frozenset()
+    requests: list[Request]
     stream: bool = False
     include_usage: bool = False
     no_log: bool = False
+
+    @property
+    def decode(self) -> DecodeConfig:
+        """The decode config (the same for every prompt)."""
+        return self.requests[0].decode
 
 
 JF_FIELDS = {f.name: f.type for f in dataclasses.fields(DecodeConfig)}
@@ -290,16 +289,34 @@ def encode_bounded(tokenizer, text: str, limits: Limits, field: str) -> list[int
     return tokenizer.encode(text)
 
 
-def _check_context(prompt_len: int, max_tokens: int, max_context: int, prompt_field: str, max_field: str):
-    if prompt_len == 0:
-        raise RequestError(prompt_field, "the prompt is empty (no tokens)")
-    if prompt_len >= max_context:
-        raise RequestError(prompt_field, f"the prompt has {prompt_len} tokens; the context window is "
-                                         f"{max_context} tokens (at least one must be left to generate)")
-    if prompt_len + max_tokens > max_context:
-        raise RequestError(max_field, f"prompt ({prompt_len} tokens) + {max_field}={max_tokens} exceeds the "
-                                      f"context window of {max_context} tokens (at most "
-                                      f"{max_context - prompt_len})")
+def _requests(n: int, *, decode: DecodeConfig, sampling: SamplingParams, seeded: bool, max_new_tokens: int,
+              stop: tuple[str, ...], eos_ids: frozenset) -> list[Request]:
+    """One :class:`Request` per prompt: prompt ``i`` samples with seed ``sampling.seed + i`` (Megatron's
+    ``random_seed + i``, as offline generate on the list); a sampled request without a client seed gets a fresh
+    random seed per prompt."""
+    out = []
+    for i in range(n):
+        s = sampling
+        if not s.greedy and not seeded:
+            s = dataclasses.replace(s, seed=random.randrange(1 << 31))
+        out.append(Request(decode, s, max_new_tokens, stop, eos_ids, seed=s.seed + i))
+    return out
+
+
+def _check_context(request: Request, prompt_len: int, max_context: int, prompt_field: str, max_field: str):
+    """:func:`~megatron_jf.inference.request.check`, answered as a :class:`RequestError` naming the HTTP field
+    (``max_field``: the body's name of ``max_new_tokens``)."""
+    try:
+        check(request, prompt_len, max_context)
+    except ContextError as e:
+        if e.field == "prompt" and prompt_len == 0:
+            raise RequestError(prompt_field, "the prompt is empty (no tokens)") from None
+        if e.field == "prompt":
+            raise RequestError(prompt_field, f"the prompt has {prompt_len} tokens; the context window is "
+                                             f"{max_context} tokens (at least one must be left to generate)") from None
+        m = request.max_new_tokens
+        raise RequestError(max_field, f"prompt ({prompt_len} tokens) + {max_field}={m} exceeds the context window "
+                                      f"of {max_context} tokens (at most {max_context - prompt_len})") from None
 
 
 # ---------------------------------------------------------------------------------------- Megatron
@@ -309,8 +326,9 @@ MEGATRON_FIELDS = {"prompts", "tokens_to_generate", "temperature", "top_k", "top
                    "jf"}
 
 
-def parse_megatron(body, tokenizer, limits: Limits, default: DecodeConfig) -> ParsedRequest:
-    """Megatron ``PUT /api`` body -> :class:`ParsedRequest`.
+def parse_megatron(body, tokenizer, limits: Limits, default: DecodeConfig,
+                   eos_ids: frozenset = frozenset()) -> ParsedRequest:
+    """Megatron ``PUT /api`` body -> :class:`ParsedRequest` (``eos_ids``: the server's stop ids).
 
     Megatron semantics kept: ``tokens_to_generate`` (default 64, >= 1 here: prompt-only scoring is not
     supported), ``temperature`` default 1.0 (0 = greedy), ``top_p`` 0 = off, ``add_BOS`` prepends the
@@ -337,7 +355,7 @@ def parse_megatron(body, tokenizer, limits: Limits, default: DecodeConfig) -> Pa
         raise RequestError("prompts", "must hold at least one prompt")
     if len(prompts) > limits.max_prompts:
         raise RequestError("prompts", f"at most {limits.max_prompts} prompts per request, got {len(prompts)}")
-    n_new = _int(body, "tokens_to_generate", 64, lo=1)
+    max_new_tokens = _int(body, "tokens_to_generate", 64, lo=1)
     temperature = _float(body, "temperature", 1.0)
     if not 0.0 <= temperature <= 100.0:
         raise RequestError("temperature", f"must be a number in [0, 100] (0 = greedy), got {temperature}")
@@ -382,16 +400,16 @@ def parse_megatron(body, tokenizer, limits: Limits, default: DecodeConfig) -> Pa
     config = parse_decode_config(body.get("jf"), default, limits)
     for i, p in enumerate(prompts):
         _check_chars(p, limits, f"prompts[{i}]")
+    requests = _requests(len(prompts), decode=config, sampling=sampling, seeded=seed is not None,
+                         max_new_tokens=max_new_tokens, stop=tuple(dict.fromkeys(stop)), eos_ids=eos_ids | extra)
     ids = []
-    for i, p in enumerate(prompts):
+    for i, (p, r) in enumerate(zip(prompts, requests)):
         t = encode_bounded(tokenizer, p, limits, f"prompts[{i}]")
         if add_bos:
             t = [tokenizer.bos_id] + t
-        _check_context(len(t), n_new, limits.max_context, f"prompts[{i}]", "tokens_to_generate")
+        _check_context(r, len(t), limits.max_context, f"prompts[{i}]", "tokens_to_generate")
         ids.append(t)
-    return ParsedRequest(prompts=ids, prompt_texts=list(prompts), max_tokens=n_new, config=config,
-                         sampling=sampling, seeded=seed is not None, stop=tuple(dict.fromkeys(stop)),
-                         extra_eos=extra, no_log=_bool(body, "no_log"))
+    return ParsedRequest(prompts=ids, prompt_texts=list(prompts), requests=requests, no_log=_bool(body, "no_log"))
 
 
 # ---------------------------------------------------------------------------------------- OpenAI
@@ -440,12 +458,23 @@ def _openai_common(body, model_name: str, default: DecodeConfig, limits: Limits)
     stop = _stop_list(body.get("stop"), max_n=limits.max_stop, max_chars=limits.max_stop_chars)
     config = parse_decode_config(body.get("jf"), default, limits)
     return dict(sampling=sampling, seeded=seed is not None, stream=stream, include_usage=include_usage,
-                stop=stop, config=config)
+                stop=stop, decode=config)
 
 
-def parse_completion(body, tokenizer, limits: Limits, model_name: str, default: DecodeConfig) -> ParsedRequest:
+def _openai_request(c: dict, ids: list[int], text: str, max_new_tokens: int, eos_ids: frozenset, limits: Limits,
+                    prompt_field: str, max_field: str) -> ParsedRequest:
+    """The :class:`ParsedRequest` of an OpenAI endpoint's one prompt (``c``: :func:`_openai_common`)."""
+    (request,) = _requests(1, decode=c["decode"], sampling=c["sampling"], seeded=c["seeded"],
+                           max_new_tokens=max_new_tokens, stop=c["stop"], eos_ids=eos_ids)
+    _check_context(request, len(ids), limits.max_context, prompt_field, max_field)
+    return ParsedRequest(prompts=[ids], prompt_texts=[text], requests=[request], stream=c["stream"],
+                         include_usage=c["include_usage"])
+
+
+def parse_completion(body, tokenizer, limits: Limits, model_name: str, default: DecodeConfig,
+                     eos_ids: frozenset = frozenset()) -> ParsedRequest:
     """``POST /v1/completions`` body -> :class:`ParsedRequest`. ``prompt``: a string, a list with one
-    string, or a list of token ids. ``max_tokens`` default 16 (as OpenAI).
+    string, or a list of token ids. ``max_tokens`` default 16 (as OpenAI). ``eos_ids``: the server's stop ids.
 
     Raises:
         RequestError: naming the offending field.
@@ -479,16 +508,16 @@ def parse_completion(body, tokenizer, limits: Limits, model_name: str, default: 
         raise RequestError("prompt", "only one prompt per request is supported")
     else:
         raise _type_error("prompt", "a string or a list of token ids", p)
-    max_tokens = _int(body, "max_tokens", 16, lo=1)
-    _check_context(len(ids), max_tokens, limits.max_context, "prompt", "max_tokens")
-    return ParsedRequest(prompts=[ids], prompt_texts=[text], max_tokens=max_tokens, **c)
+    max_new_tokens = _int(body, "max_tokens", 16, lo=1)
+    return _openai_request(c, ids, text, max_new_tokens, eos_ids, limits, "prompt", "max_tokens")
 
 
-def parse_chat(body, tokenizer, limits: Limits, model_name: str, default: DecodeConfig) -> ParsedRequest:
+def parse_chat(body, tokenizer, limits: Limits, model_name: str, default: DecodeConfig,
+               eos_ids: frozenset = frozenset()) -> ParsedRequest:
     """``POST /v1/chat/completions`` body -> :class:`ParsedRequest` (the tokenizer's chat template is
     applied with a generation prompt). ``content`` is a string or a list of text parts
     (``[{"type": "text", "text": ...}]``, joined with newlines as vLLM does). ``max_tokens`` /
-    ``max_completion_tokens`` default: the rest of the context window.
+    ``max_completion_tokens`` default: the rest of the context window. ``eos_ids``: the server's stop ids.
 
     Raises:
         RequestError: naming the offending field.
@@ -524,13 +553,10 @@ def parse_chat(body, tokenizer, limits: Limits, model_name: str, default: Decode
     if "max_tokens" in body and "max_completion_tokens" in body:
         raise RequestError("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
     key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    max_tokens = _int(body, key, None, lo=1)
-    if max_tokens is None:
-        if len(ids) >= limits.max_context:
-            _check_context(len(ids), 1, limits.max_context, "messages", key)
-        max_tokens = limits.max_context - len(ids)
-    _check_context(len(ids), max_tokens, limits.max_context, "messages", key)
-    return ParsedRequest(prompts=[ids], prompt_texts=[text], max_tokens=max_tokens, **c)
+    max_new_tokens = _int(body, key, None, lo=1)
+    if max_new_tokens is None:  # the rest of the window (a prompt that fills it is refused by the check)
+        max_new_tokens = max(1, limits.max_context - len(ids))
+    return _openai_request(c, ids, text, max_new_tokens, eos_ids, limits, "messages", key)
 
 
 def _content(v, field: str) -> str:

@@ -1,8 +1,8 @@
 """Continuous-batching scheduler: one thread steps an :class:`~megatron_jf.inference.engine.BatchSession`.
 
-Every engine step decodes all running requests in one forward, whatever their decode config (decoder,
-block size, ...), sampling parameters, ``max_tokens``, EOS ids and stop strings: each row carries its
-own. Between steps the thread
+Every engine step decodes all running requests in one forward, whatever their
+:class:`~megatron_jf.inference.request.Request` (decoder, block size, sampling parameters, ``max_new_tokens``, EOS
+ids, stop strings): each row carries its own. Between steps the thread
 
 * drops rows whose client went away (:meth:`GenRequest.cancel`): they take no further forward, and their
   tokens are not counted as generated;
@@ -18,11 +18,13 @@ Streaming. The session's ``on_tokens`` pushes each group of final tokens to the 
 (thread-safe, via ``loop.call_soon_threadsafe``) as ``("tokens", ids)``; the end of the request is
 ``("done", GenerationResult)`` (with ``queue_s`` set) or ``("error", exception)``.
 
-Admission is the session's :class:`~megatron_jf.inference.slots.SlotTable`: a request is checked against the context
-window when submitted (:func:`~megatron_jf.inference.slots.check_request`) and joins while the table has free rows.
+Admission is the session's :class:`~megatron_jf.inference.slots.SlotTable`: a request joins while the table has free
+rows, and :meth:`BatchSession.add <megatron_jf.inference.session.BatchSession.add>` checks it (context window, forward
+budget, KV slots); one that does not fit ends with an ``("error", ValueError)`` event. The server's protocol has
+checked it against the context window before (:func:`megatron_jf.inference.request.check`).
 
-Tensor parallelism. With ``broadcast=True`` each step's changes (rows added, with token ids and
-parameters; rows removed) are sent from rank 0 with ``torch.distributed.broadcast_object_list`` before
+Tensor parallelism. With ``broadcast=True`` each step's changes (rows added, as ``(prompt, Request)`` pairs;
+rows removed) are sent from rank 0 with ``torch.distributed.broadcast_object_list`` before
 the step; other ranks run :func:`follower_loop`, which applies the same changes to their own session and
 steps it, so all ranks make the same forwards. While idle, rank 0 broadcasts a no-op every
 ``heartbeat_s`` seconds so followers' collectives never time out.
@@ -33,15 +35,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import random
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from megatron_jf.inference.engine import DecodeConfig, Engine
-from megatron_jf.inference.sampling import SamplingParams
-from megatron_jf.inference.slots import check_request
+from megatron_jf.inference.engine import Engine
+from megatron_jf.inference.request import Request
 
 log = logging.getLogger("megatron_jf.server")
 
@@ -59,29 +59,18 @@ _ids = itertools.count()
 
 @dataclass
 class GenRequest:
-    """One generation request (one prompt).
+    """One queued generation: a prompt, its :class:`~megatron_jf.inference.request.Request` (as the protocol parsed
+    it; passed to the session unchanged) and where its events go.
 
     Attributes:
         prompt: prompt token ids (non-empty).
-        max_tokens: cap on emitted tokens (>= 1; prompt + cap must fit the context).
-        config: decoder and its parameters.
-        sampling: sampling parameters (``temperature == 0``: greedy). Its ``seed`` seeds the draft
-            initialisation; the sampling generator gets ``seed + seed_offset`` (Megatron's prompt ``i``
-            of a request samples with ``random_seed + i``, as offline generate on the list).
-        seeded: the client gave a seed (otherwise a sampled request gets a fresh random seed).
-        stop: stop strings.
-        eos_ids: ids that end the request (kept as its last token).
+        request: the settings (decode config, sampling, ``max_new_tokens``, EOS ids, stop strings, seed).
         loop, queue: where events go.
+        id, submitted, started, first_token, finished, cancelled: bookkeeping (``time.perf_counter`` seconds).
     """
 
     prompt: list[int]
-    max_tokens: int
-    config: DecodeConfig
-    sampling: SamplingParams
-    stop: tuple[str, ...] = ()
-    eos_ids: frozenset = frozenset()
-    seeded: bool = False
-    seed_offset: int = 0
+    request: Request
     loop: asyncio.AbstractEventLoop | None = None
     queue: asyncio.Queue | None = None
     id: int = field(default_factory=lambda: next(_ids))
@@ -105,22 +94,15 @@ class GenRequest:
             pass
 
 
-def _add_op(r: GenRequest) -> dict:
-    """What every rank needs to add ``r`` to its session (broadcast under TP)."""
-    return {"prompt": r.prompt, "config": r.config, "max_new_tokens": r.max_tokens, "sampling": r.sampling,
-            "seed": r.sampling.seed + r.seed_offset, "eos_ids": r.eos_ids, "stop": r.stop}
-
-
 def _apply(sess, op: dict) -> list[int | Exception]:
-    """Apply one step's changes to ``sess``: remove keys, add rows. Returns the new keys (or the
-    ValueError of a row that could not be added), in order."""
+    """Apply one step's changes to ``sess``: remove keys, add ``(prompt, Request)`` rows. Returns the new keys (or
+    the ValueError of a row that could not be added), in order."""
     for k in op["remove"]:
         sess.remove(k)
     keys = []
-    for a in op["add"]:
+    for prompt, request in op["add"]:
         try:
-            keys.append(sess.add(a["prompt"], a["config"], max_new_tokens=a["max_new_tokens"], sampling=a["sampling"],
-                                 seed=a["seed"], eos_ids=a["eos_ids"], stop_strings=a["stop"]))
+            keys.append(sess.add(prompt, request))
         except ValueError as e:
             keys.append(e)
     return keys
@@ -142,6 +124,9 @@ class Scheduler:
         heartbeat_s: idle no-op broadcast period (seconds; ``broadcast`` only).
         metrics: optional :class:`~megatron_jf.server.metrics.Metrics`.
         group: the process group of the broadcasts.
+
+    Attributes:
+        steps_run: engine steps run so far (``/health`` reports it as ``batches_run``).
     """
 
     def __init__(self, engine: Engine, detokenize=None, *, max_batch: int = 32, max_queue: int = 256,
@@ -173,23 +158,13 @@ class Scheduler:
     def max_context(self) -> int:
         return self.engine.max_context
 
-    @property
-    def batches_run(self) -> int:
-        """Engine steps run so far (kept under its old name for ``/health``)."""
-        return self.steps_run
-
     def submit(self, req: GenRequest) -> GenRequest:
         """Queue a request; events arrive on ``req.queue``.
 
         Raises:
             QueueFullError: ``max_queue`` requests are already waiting.
             SchedulerStoppedError: after :meth:`shutdown`.
-            ValueError: the prompt is empty or prompt + ``max_tokens`` exceeds the context window.
         """
-        check_request(req.prompt, req.max_tokens, self.max_context)
-        if not req.sampling.greedy and not req.seeded:
-            req.sampling = SamplingParams(req.sampling.temperature, req.sampling.top_k, req.sampling.top_p,
-                                          seed=random.randrange(1 << 31))
         with self._cv:
             if self._stop:
                 raise SchedulerStoppedError("the scheduler is shut down")
@@ -257,7 +232,7 @@ class Scheduler:
                     r = self._waiting.popleft()
                     if not r.cancelled:
                         admitted.append(r)
-            op = {"op": "step", "remove": removed, "add": [_add_op(r) for r in admitted]}
+            op = {"op": "step", "remove": removed, "add": [(r.prompt, r.request) for r in admitted]}
             try:
                 self._bcast(op)
                 keys = _apply(sess, op)
