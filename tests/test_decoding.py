@@ -405,19 +405,17 @@ def test_tp2_decoders_match_tp1_torchrun():
     assert len(lines) >= 4 and all(l.endswith("OK") for l in lines), out
 
 
-def test_metrics_summary_values():
+def test_metrics_values():
     from megatron_jf.inference.engine import GenerationResult
-    from megatron_jf.inference.metrics import percentile, summarize
+    from megatron_jf.inference.metrics import percentile
 
     a = GenerationResult(tokens=[1] * 10, finish_reason="length", forwards=5, accepted=[2] * 5, prefill_s=1.0,
                          decode_s=2.0, prompt_len=3)
-    b = GenerationResult(tokens=[1] * 6, finish_reason="eos", forwards=6, accepted=[1] * 6, prefill_s=0.0,
-                         decode_s=1.0, prompt_len=3)
-    s = summarize([a, b])
-    assert s["tpf"] == 16 / 11 and s["tpf_mean"] == (2.0 + 1.0) / 2
-    assert s["tps"] == 16 / 3.0 and s["tps_e2e"] == 16 / 4.0
-    assert s["latency_p50_s"] == 2.0 and abs(s["latency_p95_s"] - 2.9) < 1e-9
-    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert a.tpf == 2.0 and a.tps == 5.0
+    assert percentile([3.0, 2.0], 50) == 2.5 and abs(percentile([3.0, 2.0], 95) - 2.95) < 1e-9
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([], 50) != percentile([], 50)  # NaN
+    with pytest.raises(ValueError, match="percentile q"):
+        percentile([1.0], 101)
 
 
 @pytest.mark.parametrize("max_new,n", [(3, 2), (8, 4), (11, 4), (45, 16)])

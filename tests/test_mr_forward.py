@@ -142,7 +142,7 @@ def test_trie_shares_common_prefixes():
 
 
 def test_mode_resolution(monkeypatch):
-    from megatron_jf.inference.mr_verify import resolve_mode
+    from megatron_jf.inference.options import mr_verify_mode as resolve_mode
 
     monkeypatch.delenv("MEGATRON_JF_MR_VERIFY", raising=False)
     assert resolve_mode("auto", torch.device("cpu")) == "pruned"

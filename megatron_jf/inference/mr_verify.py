@@ -31,22 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from megatron_jf.decoding.base import accepted_prefix
-from megatron_jf.inference import options
 from megatron_jf.inference.forward import forward_logits
 from megatron_jf.inference.sampling import argmax_list
-
-MODES = options.MR_VERIFY_MODES
-
-
-def resolve_mode(mode: str | None, device: torch.device) -> str:
-    """``tree`` or ``pruned`` for ``mode`` (``auto``/None: ``MEGATRON_JF_MR_VERIFY``, else by device); see
-    :func:`megatron_jf.inference.options.mr_verify_mode`.
-
-    Raises:
-        ValueError: an unknown mode (argument or environment).
-    """
-    return options.mr_verify_mode(mode, torch.device(device))
-
 
 @dataclass
 class Branch:
