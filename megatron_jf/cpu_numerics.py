@@ -5,8 +5,8 @@ torch picks its CPU kernels by instruction set at run time: ATen's vectorised ke
 element-wise ops) by ``torch.backends.cpu.get_cpu_capability()`` (``AVX512`` where the CPU has it, else ``AVX2``),
 MKL its GEMMs by the CPU it finds, oneDNN its JIT kernels likewise. Each path rounds differently, so a greedy
 near-tie can fall the other way and, after a few hundred training steps, two runs of the same code part: the smoke
-quickstart's figures made on an AVX2-only CPU are off by 0.065 TPF on an AVX-512 one (issue 30,
-``tests/fixtures/README.md``).
+quickstart's figures made on an AVX2-only CPU are off by 0.065 TPF on an AVX-512 one
+(``tests/fixtures/README.md``).
 
 :data:`ISA_PIN` selects the AVX2 path of all three libraries, which every x86 CPU here has; under it an AVX-512
 machine computes what an AVX2-only one of the same vendor does (an Intel Xeon under the pin still parts from an AMD

@@ -12,7 +12,7 @@ Each object has an ``id`` (a non-empty string, or an integer that becomes its de
 unique in the file) and exactly one of
 
 * ``prompt``: raw text, tokenised as is (no chat template, no BOS, whitespace and newlines kept
-  byte for byte -- the reference collector collapsed whitespace, reference report B5);
+  byte for byte -- the reference collector collapsed whitespace);
 * ``messages``: chat turns ``[{"role", "content"}, ...]`` rendered with the tokenizer's own chat
   template (generation prompt appended) and then tokenised;
 * ``prompt_ids``: already tokenised ids (no tokenizer needed).
@@ -22,9 +22,9 @@ Any other key is an error. Every error names the file and the 1-based line.
 Recorded trajectories (what improves on the reference collector, report Sec. 3.1)
 ---------------------------------------------------------------------------------
 Every block stores its context length, *every* iterate fed to the model -- ``drafts[0]`` is the
-true initial draft (a fresh tensor, never an alias: bug B1), known tokens at the block start
+true initial draft (a fresh tensor, never an alias), known tokens at the block start
 included -- and its fixed point, which is the greedy AR output for that context. Prompts are
-batched (reference: batch 1 only, B4); draft initialisation never sees padding (B3).
+batched (the reference collector: batch 1 only); draft initialisation never sees padding.
 
 End of a sample: decoding stops at the first EOS (any of ``eos_ids``) or after ``max_new_tokens``.
 The last block is then cut right after the EOS (or at the length limit): its fixed point and all of

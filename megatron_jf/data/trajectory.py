@@ -11,7 +11,7 @@ Conventions
 * All token tensors are ``torch.int64`` on CPU and hold non-negative vocabulary ids.
 * ``drafts[0]`` is the *true* initial draft, stored as a copy. The reference
   collector aliased it to the (in-place updated) fixed point, so the noisiest
-  state was never recorded (reference report Sec. 3.1, bug B1); validation cannot
+  state was never recorded (the reference collector's bug); validation cannot
   detect aliasing, so the collector must ``clone()`` its drafts.
 * ``drafts`` may or may not end with a copy of the fixed point; nothing here
   relies on either (a state equal to the fixed point has unconverged fraction 0).

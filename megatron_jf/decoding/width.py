@@ -1,4 +1,4 @@
-"""The draft width that pays on the machine it runs on (issue 33): a table of what one decode forward costs, each
+"""The draft width that pays on the machine it runs on: a table of what one decode forward costs, each
 request's running acceptance by draft position, and the choice of how many draft tokens each row forwards this step.
 
 The paper sizes the draft offline (Appendix E: a grid over block size n and verification size v per model and
@@ -350,7 +350,7 @@ class StepCalibration:
     estimates (:class:`AcceptanceStats`) were too high for this batch, whatever the table says. And since a penalty
     that made every later step AR could never be corrected by drafting steps, once the last drafting step is
     :attr:`stale_steps` AR steps old the penalty is 1 again until drafting steps are measured anew. Not from the
-    paper (its widths are fixed, chosen offline in Appendix E): this is issue 33's on-line choice.
+    paper (its widths are fixed, chosen offline in Appendix E): this is the on-line choice.
 
     Args:
         window: steps of each kind the medians and rates are taken over.

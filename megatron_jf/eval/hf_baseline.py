@@ -3,7 +3,7 @@
 A speedup "against AR" means little if a user's ordinary ``transformers`` ``generate`` is faster than this
 project's AR. So the evaluation, the quickstart report and the benchmarks time ``transformers`` greedy
 decoding on the very same weights, threads and prompts in the same run, and report every decoder's speedup
-against the *faster* of the two ARs, naming which one it was (issue 14; the paper's own baseline is HF
+against the *faster* of the two ARs, naming which one it was (the paper's own baseline is HF
 eager decoding).
 
 * :func:`hf_twin`: a ``transformers`` model holding a TP=1 megatron model's weights (via

@@ -1,5 +1,5 @@
 """The one measurement loop: AR and decoders timed on the same prompts in one run, losslessness checked, TPF counted,
-speedups reported against the faster AR (paper Sec. 4.1; issue 14: this project's AR or ``transformers`` greedy
+speedups reported against the faster AR (paper Sec. 4.1: this project's AR or ``transformers`` greedy
 on the same weights, whichever is faster).
 
 Used by the evaluator (:mod:`megatron_jf.eval.harness`, per batch: :func:`run_batch`), the quickstart report

@@ -1,4 +1,4 @@
-"""What one decode forward costs on this machine (issue 33): seconds by rows x tokens per row, measured at start-up
+"""What one decode forward costs on this machine: seconds by rows x tokens per row, measured at start-up
 and kept on disk, for the draft-width choice (:mod:`megatron_jf.decoding.width`).
 
 :func:`ensure_cost` times the engine's own decode forward (the runner's ``decode``: the lean forward, its static /

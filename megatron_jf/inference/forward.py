@@ -1,8 +1,7 @@
 """The inference forward: full-vocabulary logits of a :class:`~megatron_jf.models.gpt.JFGPTModel`, optionally
 through a :class:`~megatron_jf.models.kv_cache.KVCache`, by one of three implementations over the same parameters:
 the lean forward (:mod:`~megatron_jf.inference.lean_forward`), its static-shape / CUDA-graph decode path
-(:mod:`~megatron_jf.inference.static_decode`), or megatron-core's own forward. (Moved here from
-``megatron_jf/models/gpt.py``: the model layer does not import inference.)
+(:mod:`~megatron_jf.inference.static_decode`), or megatron-core's own forward.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Trajectory collection on vLLM's engine (issue 24): greedy block-wise Jacobi decoding with every intermediate draft
+"""Trajectory collection on vLLM's engine: greedy block-wise Jacobi decoding with every intermediate draft
 recorded -- the records of this project's collector (:mod:`megatron_jf.data.collect`, paper Sec. 3.1), computed by
 vLLM (paged attention, prefix caching, continuous batching).
 
