@@ -309,7 +309,7 @@ def build_parser():
     cli.BATCH_SIZE.add(g, default=32, help="prompts decoded together, every engine")
     g.add_argument("--vllm-dtypes", default="float32,bfloat16", help="vLLM dtypes to run, comma-separated")
     common.VLLM_PYTHON.add(g)
-    common.ENFORCE_EAGER.add(g)
+    cli.ENFORCE_EAGER.add(g)
     common.WORK.add(g, default=os.path.join(REPO, "runs", "bench-collect"),
                     help="cache of the SmolLM2 export (HF and megatron) and the prompt file")
     g.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: ENGINE:DTYPE, one measurement

@@ -43,10 +43,6 @@ HF = Option("hf", ("--hf",), {"default": None, "metavar": "DIR", "help": "a Hugg
 #: HumanEval problems as chat prompts
 HUMANEVAL = Option("humaneval", ("--humaneval",), {
     "action": "store_true", "help": "HumanEval problems as chat prompts (the tokenizer's chat template)"})
-#: a JSONL prompt file (``tools/generate_trajectories.py --prompts`` is the same concept: see the module docstring)
-PROMPTS = Option("prompts", ("--prompts",), {
-    "default": None, "metavar": "FILE",
-    "help": "JSONL prompt file: prompt_ids or prompt per line (text needs the checkpoint's tokenizer)"})
 #: the built-in random model's shape
 HIDDEN = Option("hidden", ("--hidden",), {"type": cli.positive_int, "default": 256,
                                           "help": "hidden size of the built-in random model"})
@@ -58,17 +54,12 @@ VOCAB = Option("vocab", ("--vocab",), {"type": cli.positive_int, "default": 8192
 VLLM_PYTHON = Option("vllm_python", ("--vllm-python",), {
     "default": os.path.join(REPO, ".venv-vllm", "bin", "python"), "metavar": "PYTHON",
     "help": "interpreter of the vLLM environment (JF_ENV=vllm bash scripts/bootstrap.sh)"})
-#: vLLM without torch.compile (``tools/generate_trajectories.py --enforce-eager`` is the same concept)
-ENFORCE_EAGER = Option("enforce_eager", ("--enforce-eager",), {
-    "action": "store_true", "help": "vLLM without torch.compile (faster start)"})
 #: the engines a comparison runs (a list: the tool's ``--engine`` picks one, dest ``engine``)
 ENGINES = Option("engines", ("--engine",), {"nargs": "+", "default": None, "metavar": "ENGINE",
                                             "help": "engines to compare"})
 #: CPU, tiny models: the plumbing of a GPU bench, no GPU figures
 DRY_RUN = Option("dry_run", ("--dry-run",), {"action": "store_true",
                                              "help": "CPU, tiny models, few steps: the plumbing, no GPU figures"})
-#: the JSON results file a bench always writes (``--json`` is an optional extra copy)
-RESULTS = Option("results", ("--out",), {"default": None, "metavar": "FILE", "help": "JSON results file"})
 
 
 def add_builtin_model_args(p, *, hidden: int = 256, layers: int = 4, vocab: int = 8192) -> None:

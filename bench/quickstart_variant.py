@@ -89,7 +89,7 @@ def build_parser():
 
     ap = common.parser(__doc__)
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="code-preset fields to change")
-    ap.add_argument("--out", required=True, help="work directory (resumable)")
+    cli.OUT.add(ap, required=True, metavar="DIR", help="work directory (resumable)")
     ap.add_argument("--until", default="prompts", help="last pipeline stage to run")
     ap.add_argument("--measure", default=None, help="comma-separated checkpoints to measure, e.g. base,jf1 (default: "
                                                     "base, plus jf1/jf2 when --until reaches them)")

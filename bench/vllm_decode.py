@@ -326,7 +326,7 @@ def build_parser():
     p.add_argument("--ours-python", default=os.path.join(REPO, ".venv", "bin", "python"),
                    help="interpreter of this project's environment")
     common.VLLM_PYTHON.add(p)
-    common.RESULTS.add(p, default=os.path.join(REPO, "runs", "vllm_bench", "results.json"),
+    cli.OUT.add(p, metavar="FILE", default=os.path.join(REPO, "runs", "vllm_bench", "results.json"),
                        help="JSON results (the table also goes to the same name with .md)")
     p.add_argument("--role", default="driver", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -353,8 +353,8 @@ def main(argv=None):
         if not os.path.exists(py):
             raise SystemExit(f"error: {py} does not exist (bash scripts/bootstrap.sh; "
                              f"JF_ENV=vllm bash scripts/bootstrap.sh)")
-    os.makedirs(os.path.dirname(args.results), exist_ok=True)
-    tmp = os.path.dirname(args.results)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    tmp = os.path.dirname(args.out)
     t0 = time.time()
     prep = os.path.join(tmp, "prepare.json")
     subprocess.run([args.ours_python, "-m", "bench.vllm_decode", "--role", "prepare", "--worker-out", prep,
@@ -397,10 +397,10 @@ def main(argv=None):
         report[name] = {"results": {f"{e} {s}": rows for (e, s), rows in results.items()}, "workers": info}
     lines.append(f"\n{(time.time() - t0) / 60:.1f} min")
     print("\n".join(lines))
-    tmpf = args.results + ".tmp"
+    tmpf = args.out + ".tmp"
     json.dump({"command": cmd, "cpu": cpu_flags(), "table": lines, "results": report}, open(tmpf, "w"))
-    os.replace(tmpf, args.results)
-    with open(os.path.splitext(args.results)[0] + ".md", "w") as f:
+    os.replace(tmpf, args.out)
+    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
 
 

@@ -68,7 +68,7 @@ def build_parser():
                    help="vLLM's token budget per step")
     cli.SEED.add(p, default=0, help="seed of the requests drawn")
     common.WORK.add(p, default=os.path.join(REPO, "runs", "vllm_soak"), help="model and server logs")
-    common.RESULTS.add(p, help="JSON results (none: WORK/soak.json)")
+    cli.OUT.add(p, metavar="FILE", help="JSON results (none: WORK/soak.json)")
     return p
 
 
@@ -289,7 +289,7 @@ def _write_json(path: str, obj) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.makedirs(args.work, exist_ok=True)
-    out_path = args.results or os.path.join(args.work, "soak.json")
+    out_path = args.out or os.path.join(args.work, "soak.json")
     t0 = time.time()
     model = build_model(args.work)
     results = {"command": " ".join([os.path.relpath(sys.argv[0], REPO)] + (argv or sys.argv[1:])),
