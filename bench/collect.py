@@ -92,9 +92,10 @@ class ScoringCollector:
                 for i, o in zip(ids, outs):
                     p, st, out = rows[i]
                     c = len(p.ids) + len(out)
-                    g = [V._top1(o.prompt_logprobs[c + j]) for j in range(len(st.draft))] + [o.outputs[0].token_ids[0]]
+                    g = [V.top1_token(o.prompt_logprobs[c + j]) for j in range(len(st.draft))]
+                    g.append(o.outputs[0].token_ids[0])
                     k = accepted_prefix(st.draft, g)
-                    emitted, finish = V._cut(st.draft[:k] + [g[k]], eos, cfg.max_new_tokens - len(out))
+                    emitted, finish = V.cut_emitted(st.draft[:k] + [g[k]], eos, cfg.max_new_tokens - len(out))
                     out += emitted
                     forwards[i] += 1
                     if finish:

@@ -56,7 +56,7 @@ __all__ = ["PROPOSER_PATH", "TrajectoryState", "CollectorPolicy", "TrajectoryPro
            "VLLMCollector", "check_hf_model_dir", "model_args", "context_window", "context_room", "engine_length",
            "kv_cache_estimate",
            "has_tokenizer", "weights_fingerprint",
-           "default_dtype", "vllm_version", "collect"]
+           "default_dtype", "vllm_version", "collect", "cut_emitted", "top1_token"]
 
 #: the proposer class vLLM loads (``speculative_config = {"method": "custom_class", "model": PROPOSER_PATH}``).
 PROPOSER_PATH = "megatron_jf.vllm_plugin.collect.TrajectoryProposer"
@@ -259,7 +259,7 @@ def vllm_version() -> str:
     return vllm.__version__
 
 
-def _cut(emitted: list[int], eos_ids: frozenset, room: int) -> tuple[list[int], str]:
+def cut_emitted(emitted: list[int], eos_ids: frozenset, room: int) -> tuple[list[int], str]:
     """This project's engine's end-of-request rule for one forward's tokens: cut after the first EOS, then to the
     ``room`` left; the finish reason (``eos`` / ``length``) or ``""``."""
     finish = ""
@@ -371,9 +371,9 @@ class VLLMCollector:
         """Apply the scoring request's predictions; start the second request or return the finished result."""
         st, P = job.state, len(job.prompt)
         plp = out.prompt_logprobs  # [None, {id: Logprob(rank=...)}...] per prompt position
-        g = [_top1(plp[P + j]) for j in range(len(st.draft))] + [out.outputs[0].token_ids[0]]
+        g = [top1_token(plp[P + j]) for j in range(len(st.draft))] + [out.outputs[0].token_ids[0]]
         k = accepted_prefix(st.draft, g)
-        emitted, finish = _cut(st.draft[:k] + [g[k]], eos_ids, max_new)
+        emitted, finish = cut_emitted(st.draft[:k] + [g[k]], eos_ids, max_new)
         job.head = emitted
         if finish:
             st.iterations = 1
@@ -441,7 +441,7 @@ class VLLMCollector:
                     on_result(job.sample_id, res)
 
 
-def _top1(entry) -> int:
+def top1_token(entry) -> int:
     """The rank-1 token of one position's prompt logprobs (``{token id: Logprob}``)."""
     best = [t for t, lp in entry.items() if lp.rank == 1]
     if not best:
