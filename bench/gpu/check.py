@@ -473,7 +473,7 @@ def decode_rows(dry: bool) -> list[tuple[str, str, str]]:
 
     import torch
 
-    from bench.gpu.decode_check import DRY_RUN_SHAPE, GPU_SHAPE, build_random_model
+    from bench.common import DRY_RUN_SHAPE, GPU_SHAPE, build_random_model
     from megatron_jf import parallel
 
     cuda = torch.cuda.is_available() and not dry

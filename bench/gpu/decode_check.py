@@ -26,41 +26,7 @@ from __future__ import annotations
 import statistics
 import time
 
-#: the model shapes measured (:mod:`megatron_jf.models.shapes`): on a GPU, and on the CPU dry run
-GPU_SHAPE, DRY_RUN_SHAPE = "qwen2.5-7b", "tiny"
-
-
-def build_random_model(shape, dtype, device):
-    """A megatron model of ``shape`` (a :class:`~megatron_jf.models.hf_config.ModelArgs`, or a name of
-    :mod:`megatron_jf.models.shapes`) with N(0, 0.02) weights drawn on ``device`` (no CPU init)."""
-    import torch
-
-    from megatron_jf.models import gpt, shapes
-
-    args = shapes.get(shape) if isinstance(shape, str) else shape
-    tcfg = gpt.transformer_config(args, params_dtype=dtype)
-    tcfg.perform_initialization = False  # weights are drawn below, on the device
-    tcfg.use_cpu_initialization = device.type != "cuda"
-    from megatron.core import parallel_state as ps
-
-    # the local spec with its own final norm (not TE's, whatever is installed): the lean / static-shape inference
-    # forward reads it, as for the models checkpointing.load_model builds
-    spec = gpt.block_spec(tcfg, gpt.layer_spec(args, "local"))
-    model = gpt.JFGPTModel(config=tcfg, transformer_layer_spec=spec,
-                           vocab_size=args.padded_vocab_size(ps.get_tensor_model_parallel_world_size(), divisible_by=1),
-                           max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
-                           share_embeddings_and_output_weights=args.tie_word_embeddings,
-                           position_embedding_type="rope", rotary_percent=1.0, rotary_base=int(args.rope_theta))
-    gpt.finish_model(model, args)
-    model = model.to(device).eval()
-    g = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or "layernorm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=g)
-    return model
+from bench.common import DRY_RUN_SHAPE, GPU_SHAPE, build_random_model
 
 
 def _median_ms(fn, reps, sync):
