@@ -624,24 +624,32 @@ def stored_dtype(ckpt_dir: str, iteration: int | None = None) -> torch.dtype:
     raise ValueError(f"{meta['path']} holds no model weights (no {prefix}embedding.word_embeddings.weight)")
 
 
+def inference_spec() -> str:
+    """The layer spec :func:`load_model` builds by default: ``local`` while the lean inference forward is on
+    (``MEGATRON_JF_LEAN_FORWARD``, default on), else ``auto``."""
+    from megatron_jf import env
+
+    return "local" if env.lean_forward() else "auto"
+
+
 def load_model(ckpt_dir: str, *, iteration: int | None = None, params_dtype: torch.dtype | None = None,
                transformer_impl: str | None = None):
     """Build the model described by a checkpoint and load its weights (for inference tools).
 
-    Requires :func:`megatron_jf.parallel.initialize` first (any TP/PP layout). ``transformer_impl`` (the layer
-    spec; default :func:`~megatron_jf.inference.options.inference_transformer_impl`: the local spec that the lean
-    inference forward and its CUDA-graph path run on, also where Transformer Engine is installed; a checkpoint
-    trained with the TE spec loads into it).
+    Requires :func:`megatron_jf.parallel.initialize` first (any TP/PP layout). ``transformer_impl``: the layer spec;
+    default ``local`` while the lean inference forward is on (``MEGATRON_JF_LEAN_FORWARD``, default on: decoding runs
+    that forward -- and on CUDA its static-shape / CUDA-graph path -- over the local spec's parameters, also where
+    Transformer Engine is installed; a checkpoint trained with the TE spec loads into it), else ``auto`` (megatron's
+    forward, TE where present).
 
     Returns:
         ``(model in eval mode, ModelArgs, meta)``.
     """
-    from megatron_jf.inference.options import inference_transformer_impl
     from megatron_jf.models.gpt import build_model
 
     meta = read_meta(ckpt_dir, iteration, verify=True)  # a damaged checkpoint stops before the model is built
     args = ModelArgs.from_dict(meta["model_args"])
-    model = build_model(args, params_dtype=params_dtype, transformer_impl=transformer_impl or inference_transformer_impl())
+    model = build_model(args, params_dtype=params_dtype, transformer_impl=transformer_impl or inference_spec())
     load_checkpoint(ckpt_dir, model, iteration=iteration, strict=False)
     return model.eval(), args, meta
 

@@ -206,16 +206,16 @@ def test_inference_models_use_the_spec_the_lean_forward_runs_on(mp1, monkeypatch
     """Inference tools build the local spec while the lean forward is on, so decoding (and its CUDA-graph path)
     runs also where Transformer Engine is installed; a TE spec that cannot be built is a clear error."""
     from megatron_jf import platform
-    from megatron_jf.inference.options import inference_transformer_impl
+    from megatron_jf.checkpointing import inference_spec
     from megatron_jf.models.gpt import layer_spec
     from megatron_jf.models.hf_config import ModelArgs
     from megatron_jf.models.zoo import tiny_hf_model
 
     args = ModelArgs.from_hf_dict(tiny_hf_model("qwen2", seed=0).config.to_dict())
     monkeypatch.delenv("MEGATRON_JF_LEAN_FORWARD", raising=False)
-    assert inference_transformer_impl() == "local"
+    assert inference_spec() == "local"
     monkeypatch.setenv("MEGATRON_JF_LEAN_FORWARD", "0")
-    assert inference_transformer_impl() == "auto"
+    assert inference_spec() == "auto"
     with pytest.raises(ValueError, match="unknown transformer impl"):
         layer_spec(args, "te")
     if not (platform.HAVE_TE and platform.HAVE_CUDA):
@@ -236,7 +236,7 @@ def test_local_spec_norms_do_not_follow_what_megatron_finds_installed(mp1, monke
 
     from megatron_jf.inference.lean_forward import LeanForward, supports
     from megatron_jf.inference.forward import forward_logits
-    from megatron_jf.inference.options import inference_transformer_impl
+    from megatron_jf.checkpointing import inference_spec
     from megatron_jf.models.gpt import build_model, layer_spec
     from megatron_jf.models.gpt import transformer_config
     from megatron_jf.models.hf_config import ModelArgs
@@ -255,7 +255,7 @@ def test_local_spec_norms_do_not_follow_what_megatron_finds_installed(mp1, monke
     monkeypatch.setattr(torch_norm.WrappedTorchNorm, "__new__", no_sp)
     monkeypatch.delenv("MEGATRON_JF_LEAN_FORWARD", raising=False)
     args = ModelArgs.from_hf_dict(tiny_hf_model("qwen2", seed=0).config.to_dict())
-    m = build_model(args, transformer_impl=inference_transformer_impl()).eval()
+    m = build_model(args, transformer_impl=inference_spec()).eval()
     assert isinstance(m.decoder.final_layernorm, torch.nn.RMSNorm) and supports(m)
     toks = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(7)[None]

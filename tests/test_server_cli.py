@@ -4,13 +4,13 @@ import re
 import subprocess
 import sys
 
+from megatron_jf.commands.serve import build_parser
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tools"))
 
 
 def test_vllm_flag_aliases():
-    from run_text_generation_server import parse_args
-
+    parse_args = build_parser().parse_args
     a = parse_args(["--load", "/ck", "--tensor-parallel-size", "2", "--served-model-name", "m", "--max-model-len",
                     "1024", "--max-num-seqs", "7"])
     b = parse_args(["--load", "/ck", "--tp", "2", "--model-name", "m", "--max-batch", "7"])
@@ -20,8 +20,6 @@ def test_vllm_flag_aliases():
 
 def test_help_shows_every_default():
     import argparse
-
-    from run_text_generation_server import build_parser
 
     p = build_parser()
     fmt = p._get_formatter()

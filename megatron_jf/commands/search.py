@@ -65,7 +65,6 @@ def main(argv=None) -> int:
 def _search(a) -> int:
     from megatron_jf.eval.benchmarks import load_benchmark
     from megatron_jf.eval.harness import ChatTemplateAdapter, HarnessError, atomic_write_text, decode_config_from
-    from megatron_jf.eval.harness import method_name
     from megatron_jf.eval.prompts import prompt_info, render_prompt
     from megatron_jf.eval.search import plot_surface, search
     from megatron_jf.inference.llm import LLM
@@ -90,10 +89,11 @@ def _search(a) -> int:
                  draft_init=a.draft_init, ngram_pool_size=a.ngram_pool_size)
     os.makedirs(a.out, exist_ok=True)
     best = res["best"]
-    label = method_name(decode_config_from(best["decoder"], block_size=best["block_size"],
-                                           verification_size=best["verification_size"],
-                                           num_blocks=best["num_blocks"], spawn_threshold=best["spawn_threshold"]))
-    res.update({"checkpoint": lm.ckpt_dir, "benchmark": a.benchmark, "data": a.benchmark_data, "num_prompts": len(prompts),
+    label = decode_config_from(best["decoder"], block_size=best["block_size"],
+                               verification_size=best["verification_size"], num_blocks=best["num_blocks"],
+                               spawn_threshold=best["spawn_threshold"]).label
+    res.update({"checkpoint": lm.ckpt_dir, "benchmark": a.benchmark, "data": a.benchmark_data,
+                "num_prompts": len(prompts),
                 "max_new_tokens": a.max_new_tokens, "prompt": prompt_info(a.prompt_set, mode=a.prompt_mode,
                                                                             tokenizer=chat),
                 "best_label": label, "paths": {"json": os.path.join(a.out, "search.json"),

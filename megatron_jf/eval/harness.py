@@ -35,10 +35,8 @@ from megatron_jf.load_errors import CheckpointNotFound, TokenizerNotFound  # noq
 
 import hashlib
 import json
-import math
 import os
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -62,7 +60,6 @@ __all__ = [
     "atomic_write_text",
     "decode_config_from",
     "markdown_table",
-    "method_name",
     "percentile",
     "run_evaluation",
     "summarize_records",
@@ -99,11 +96,6 @@ def decode_config_from(decoder: str, **kw: Any):
         return DecodeConfig(decoder, **{k: v for k, v in kw.items() if v is not None})
     except ValueError as e:
         raise HarnessError(str(e)) from e
-
-
-def method_name(cfg) -> str:
-    """``cfg.label`` (:attr:`DecodeConfig.label <megatron_jf.decoding.DecodeConfig.label>`)."""
-    return cfg.label
 
 
 # ---------------------------------------------------------------------------------------------------------------

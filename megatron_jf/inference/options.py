@@ -139,14 +139,6 @@ def mr_verify_mode(mode: str | None, device) -> str:
     return m
 
 
-def inference_transformer_impl() -> str:
-    """The layer spec inference tools build (:func:`megatron_jf.checkpointing.load_model`): ``local`` while the lean
-    inference forward is on (``MEGATRON_JF_LEAN_FORWARD``, default on), since decoding runs that forward -- and on
-    CUDA its static-shape / CUDA-graph path -- over the local spec's parameters, also where Transformer Engine is
-    installed (checkpoints load across specs); ``auto`` when it is off (megatron's forward, TE where present)."""
-    return "local" if lean_forward_on() else "auto"
-
-
 def check_forward(forward: str) -> str:
     """``forward`` if it names a forward implementation. Raises ValueError otherwise."""
     if forward not in FORWARDS:
