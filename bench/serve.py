@@ -102,6 +102,7 @@ def engine_steps(ckpt: str, cfgs: list[dict], rows: int, max_tokens: int, repeat
     ``cfgs``) vs mixed (row ``i`` uses ``cfgs[i % len(cfgs)]``), with the step split on and off; runs are
     interleaved ``repeats`` times and the median tok/s is reported (less noise than the HTTP load)."""
     from megatron_jf.decoding import DecodeConfig
+    from megatron_jf.inference.request import Request
     from megatron_jf.inference.llm import LLM
 
     llm = LLM.from_checkpoint(ckpt)  # parallel.initialize, the model, its tokenizer
@@ -115,7 +116,7 @@ def engine_steps(ckpt: str, cfgs: list[dict], rows: int, max_tokens: int, repeat
             for split in splits:
                 sess = eng.open_batch(rows, max_width=512, split_min_saving=split)
                 for i, pr in enumerate(prompts):
-                    sess.add(pr, DecodeConfig(**jfs[i % len(jfs)]), max_new_tokens=max_tokens)
+                    sess.add(pr, Request(decode=DecodeConfig(**jfs[i % len(jfs)]), max_new_tokens=max_tokens))
                 t0, n = time.perf_counter(), 0
                 while sess.num_rows:
                     n += sum(len(r.tokens) for _, r in sess.step())

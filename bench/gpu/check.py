@@ -624,12 +624,13 @@ def _steady_state(engine, prompt: list[int], cfg, new: int):
     its CUDA graphs, were made by the first, so its tokens/s is the steady state (``generate()`` makes a new cache,
     and with it new graphs, per call)."""
     from megatron_jf.inference.engine import forward_width
+    from megatron_jf.inference.request import Request
 
     width = forward_width(cfg)
     sess = engine.open_batch(1, max_width=width, max_len=len(prompt) + new + width + 1)
     done = []
     for _ in range(2):
-        sess.add(prompt, cfg, max_new_tokens=new)
+        sess.add(prompt, Request(decode=cfg, max_new_tokens=new))
         while sess.num_rows:
             done += [res for _, res in sess.step()]
     return done[-1]
