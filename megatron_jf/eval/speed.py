@@ -1,9 +1,11 @@
-"""The one measurement loop: AR and decoders timed on the same prompts in one run, losslessness checked, TPF counted,
+"""The measurement loop: AR and decoders timed on the same prompts in one run, losslessness checked, TPF counted,
 speedups reported against the faster AR (paper Sec. 4.1: this project's AR or ``transformers`` greedy
 on the same weights, whichever is faster).
 
-Used by the evaluator (:mod:`megatron_jf.eval.harness`, per batch: :func:`run_batch`), the quickstart report
-(:mod:`recipes.quickstart.report`) and ``bench/quickstart_variant.py`` (both :func:`measure`).
+Used by the evaluator (:mod:`megatron_jf.eval.harness`, per batch: :func:`run_batch`), the inference-config search
+(:mod:`megatron_jf.eval.search`), the quickstart report and ``bench/quickstart_variant.py`` (:func:`measure`);
+``bench/decode_vs_hf.py`` and ``bench/vllm_decode.py`` pool their figures with :class:`MethodStats` but time their
+own way (per-prompt path rotation; one system per worker process).
 
 For each batch of prompts, every method runs back to back on the same token ids (the AR reference first), each
 ``generate`` call timed on the wall clock; ``transformers`` greedy (when given) then produces exactly the
