@@ -90,8 +90,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"jf: error: unknown command {args[0]!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
         return EXIT_INPUT
     module = importlib.import_module(f"megatron_jf.commands.{COMMANDS[args[0]]}")
-    sys.argv[0] = f"jf {args[0]}"  # argparse's usage line names the command
-    return module.main(args[1:])
+    prog, sys.argv[0] = sys.argv[0], f"jf {args[0]}"  # argparse's usage line names the command
+    try:
+        return module.main(args[1:])
+    finally:
+        sys.argv[0] = prog
 
 
 def console_main() -> None:
