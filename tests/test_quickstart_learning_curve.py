@@ -156,7 +156,7 @@ def test_real_preset_round2_collects_a_prefix_of_the_prompts(tmp_path, monkeypat
     assert a[a.index("--max-new-tokens") + 1] == "24" and a[a.index("--block-size") + 1] == "32"
     pipe.stage_traj("traj1", "base", 16)
     assert calls[-1][calls[-1].index("--prompts") + 1] == str(tmp_path / "prompts_train.jsonl")
-    pipe.stage_jf("jf2", "jf1", "traj2", 32, 8, 48)
+    pipe.stage_jf("jf2")
     assert calls[-1][calls[-1].index("--save-interval") + 1] == "24"  # 2 saves per round: 24 and 48
 
 
@@ -230,7 +230,7 @@ def test_recipe_knobs_from_the_command_line_reach_the_stages(tmp_path, monkeypat
     monkeypatch.setattr(P, "ANCHOR_TOKENS", 3000)
     calls = []
     pipe.run = lambda args, stage: calls.append([str(a) for a in args])
-    pipe.stage_jf("jf2", "jf1", "traj2", 32, 8, 100)
+    pipe.stage_jf("jf2")
     a = calls[-1]
     for flag, value in (("--precision", "bf16"), ("--lr", "5e-05"), ("--ar-weight", "4.0"), ("--pc-weight", "0.0"),
                         ("--anchor-weight", "0.5"),
@@ -250,5 +250,5 @@ def test_recipe_knobs_from_the_command_line_reach_the_stages(tmp_path, monkeypat
     assert "--bf16" in calls[-1]
     pipe = P.Pipeline(tmp_path / "w3", PRESETS["real"], log=lambda *a: None)  # the preset as run: fp32, no anchor
     pipe.run = lambda args, stage: calls.append([str(x) for x in args])
-    pipe.stage_jf("jf1", "base", "traj1", 16, 16, 128)
+    pipe.stage_jf("jf1")
     assert "--anchor-data" not in calls[-1] and "--precision" not in calls[-1]

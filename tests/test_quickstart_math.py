@@ -55,12 +55,21 @@ def test_math_corpus_and_prompts(tmp_path):
 def _jf_args(pipe, monkeypatch, stage="jf1"):
     calls = []
     monkeypatch.setattr(pipe, "run", lambda args, stage: calls.append([str(a) for a in args]))
-    out = pipe.stage_jf(stage, "base", "traj1", 16, 16, 100)
+    out = pipe.stage_jf(stage)
     return (calls[-1] if calls else None), out
 
 
 def _flag(args, flag):
-    return args[args.index(flag) + 1] if flag in args else None
+    """The value ``pretrain_jf.py`` reads for ``flag`` from the stage's argv (``args[0]`` is the script; a stage
+    writes only what differs from pretrain_jf.py's defaults), as text; a one-element list as its element."""
+    from megatron_jf.training.config import build_parser
+
+    if args[0] != "pretrain_jf.py":
+        return args[args.index(flag) + 1] if flag in args else None
+    p = build_parser()
+    v = getattr(p.parse_args(args[1:]), next(a.dest for a in p._actions if flag in a.option_strings))
+    v = v[0] if isinstance(v, list) and len(v) == 1 else v
+    return None if v is None else str(v)
 
 
 def test_recipe_options_reach_pretrain_jf(tmp_path, monkeypatch):

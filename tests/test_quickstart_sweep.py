@@ -146,11 +146,13 @@ def test_finish_command_resumes_the_run_with_round_2_recipe(tmp_path, monkeypatc
     assert PS.load_preset(src) == pre  # recorded: the next resume needs the same flags
     calls = []
     seen[-1].run = lambda args, stage: calls.append([str(a) for a in args])
-    seen[-1].stage_jf("jf2", "jf1", "traj2", 32, 8, 96)
-    seen[-1].stage_jf("jf1", "base", "traj1", 16, 16, 128)
-    (jf2, jf1) = calls
-    assert (jf2[jf2.index("--lr") + 1], jf2[jf2.index("--ar-weight") + 1]) == ("3e-05", "4.0")
-    assert (jf1[jf1.index("--lr") + 1], jf1[jf1.index("--ar-weight") + 1]) == ("0.0001", "1.0")
+    seen[-1].stage_jf("jf2")
+    seen[-1].stage_jf("jf1")
+    from megatron_jf.training.config import parse_config
+
+    (jf2, jf1) = (parse_config(c[1:]) for c in calls)  # the rounds' pretrain_jf.py configs
+    assert (jf2.optim.lr, jf2.jf.ar_weight) == (3e-5, 4.0)
+    assert (jf1.optim.lr, jf1.jf.ar_weight) == (1e-4, 1.0)
     with pytest.raises(SystemExit, match=r"other preset settings \(jf_lr\)"):
         QC.main([*argv, "--lr", "3e-5"])
     (src / "jf2").mkdir()

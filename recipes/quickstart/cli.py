@@ -9,10 +9,13 @@ import shutil
 from dataclasses import MISSING, asdict, fields, replace
 from pathlib import Path
 
+from megatron_jf import cli
 from megatron_jf.cpu_numerics import pin_command
 from megatron_jf.fileio import atomic_write_json
+from megatron_jf.training.config import TrainConfig
 from recipes.quickstart import pipeline
-from recipes.quickstart.presets import LATE_RECIPE, LEGACY_NAMES, PRESETS, RECIPE, STAGES, Preset, named_preset
+from recipes.quickstart.presets import (LATE_RECIPE, LEGACY_NAMES, PRESETS, RECIPE, SAME_AS_PRETRAIN, UNTIL, Preset,
+                                        named_preset)
 from recipes.quickstart.pipeline import REPO, Pipeline
 
 
@@ -65,9 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--code", action="store_true",
                    help="the code domain, the default until 2026-12: a 4-layer model on the source of nine pinned "
                         "pure-Python packages, two Jacobi Forcing rounds (docs/results.md, \"Quickstart, code domain\")")
-    ap.add_argument("--out", default=None, help="work directory (default runs/quickstart-<preset>)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads per process (default 2)")
-    ap.add_argument("--until", default=None, choices=STAGES, help="stop after this stage")
+    ap.add_argument("--out", dest="work_dir", default=None, help="work directory (default runs/quickstart-<preset>)")
+    cli.THREADS.add(ap, help="torch threads per process (default 2)")
+    UNTIL.add(ap)
     ap.add_argument("--fresh", action="store_true", help="delete the work directory first")
     ap.add_argument("--jf2-from", metavar="SWEEP_RUN", default=None,
                     help="use a finished round-2 sweep run's checkpoints as the jf2 stage instead of training it again "
@@ -76,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     k = ap.add_argument_group("recipe (default: the preset's; a work directory resumes only with the same values, "
                               "except that the round-2 ones may change while round 2 has not started)")
     for field_name, (flag, typ, help_text) in RECIPE.items():
+        if typ == SAME_AS_PRETRAIN:  # pretrain_jf.py's definition of the concept; the preset's value by default
+            made = cli.add_dataclass_arguments(k, TrainConfig, only=[field_name], defaults={field_name: None},
+                                               helps={field_name: help_text})
+            assert flag in made[field_name].option_strings, (flag, field_name)
+            continue
         kind = {"choices": typ} if isinstance(typ, tuple) else {"type": typ}
         k.add_argument(flag, dest=field_name, help=help_text, metavar=flag[2:].upper().replace("-", "_"), **kind)
     return ap
@@ -101,7 +109,7 @@ def main(argv=None):
             require_cpu_bf16()
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
-    out = Path(a.out or REPO / "runs" / f"quickstart-{preset.name}")
+    out = Path(a.work_dir or REPO / "runs" / f"quickstart-{preset.name}")
     if a.fresh and out.exists():
         if any(out.iterdir()) and not (out / "preset.json").is_file():
             raise SystemExit(f"error: --fresh refuses to delete {out}: it is not a quickstart work directory "

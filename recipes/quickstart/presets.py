@@ -1,5 +1,7 @@
-"""The quickstart's presets: the sizes and recipe of each run (``smoke``, ``default``, ``code``, ``real``), the recipe
-knobs its command line may change, and the work directory's record of them (``preset.json``)."""
+"""The quickstart's presets: the sizes and recipe of each run (``smoke``, ``default``, ``code``, ``real``), the
+library's training configuration of each training stage (:func:`base_train_config`, :func:`second_pass_train_config`,
+:func:`jf_train_config`: every derived value -- min lr, warmup, weight decay, save and log intervals -- is computed
+there), the recipe knobs its command line may change, and the work directory's record of them (``preset.json``)."""
 
 from __future__ import annotations
 
@@ -7,11 +9,16 @@ import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from megatron_jf import cli
+from megatron_jf.training.config import RuntimeConfig, TrainConfig
+
 #: what L_AR trains on (``Preset.ar_target``)
 AR_TARGETS = ("self", "ground_truth", "both")
 #: Anchor-term text made for model B (``Pipeline.anchor_tokens``): 176 steps x 4 rows x 256 tokens is 0.18 M.
 ANCHOR_TOKENS = 2_000_000
 STAGES = ("corpus", "base", "prompts", "traj1", "jf1", "traj2", "jf2", "report")
+#: ``--until STAGE``: the last pipeline stage to run (every command that runs the pipeline offers this definition)
+UNTIL = cli.Option("until", ("--until",), {"default": None, "choices": STAGES, "help": "stop after this stage"})
 
 
 @dataclass(frozen=True)
@@ -287,7 +294,14 @@ def named_preset(name: str) -> Preset:
     return PRESETS[LEGACY_NAMES.get(name, name)]
 
 
-#: The recipe knobs: preset field -> (command-line flag, type or choices, help). Each is recorded in ``preset.json``.
+#: The "type" of a :data:`RECIPE` knob that is the same concept as ``pretrain_jf.py``'s flag of the same name: the
+#: recipe's flag is that flag's definition (the ``TrainConfig`` field: its spelling, type and choices), with the
+#: recipe's help and no default (the preset's value).
+SAME_AS_PRETRAIN = "pretrain_jf.py"
+
+#: The recipe knobs: preset field -> (command-line flag, type or choices or :data:`SAME_AS_PRETRAIN`, help). Each is
+#: recorded in ``preset.json``. A knob with its own meaning has its own ``dest`` (the preset field): ``--lr`` is the
+#: JF rounds' peak lr (``jf_lr``), not pretraining's.
 RECIPE = {
     "pretrain_second_pass_steps": ("--pretrain-second-pass-steps", int,
                                    "model A's second pretraining pass, in steps: a new optimizer, the data order "
@@ -300,9 +314,9 @@ RECIPE = {
                                   "default: its own)"),
     "jf_pc_weight": ("--pc-weight", float, "weight of the consistency loss L_pc (paper Eq. 9; 0: the ablation "
                                             "without it)"),
-    "anchor_weight": ("--anchor-weight", float, "weight of the real-text anchor term (next-token CE on stdlib "
-                                                "train-split text; 0: off; round 2: --jf2-anchor-weight when given)"),
-    "precision": ("--precision", ("fp32", "bf16", "auto"), "auto: bf16 training where the CPU has native bf16, "
+    "anchor_weight": ("--anchor-weight", SAME_AS_PRETRAIN, "weight of the real-text anchor term (next-token CE on "
+                      "stdlib train-split text; 0: off; round 2: --jf2-anchor-weight when given)"),
+    "precision": ("--precision", SAME_AS_PRETRAIN, "auto: bf16 training where the CPU has native bf16, "
                   "else fp32; bf16: training (bf16 autocast, fp32 master weights) and trajectory "
                   "collection (bf16 weights); bf16 needs a CPU with AVX-512 BF16 or AMX; the report is always fp32"),
     "traj2_prompts": ("--traj2-prompts", int, "round-2 trajectories: the first N training prompts (0: all)"),
@@ -339,3 +353,117 @@ def load_preset(out: Path) -> Preset:
     known = {f.name for f in fields(Preset)}
     return replace(named_preset(saved["name"]), **{k: (tuple(v) if isinstance(v, list) else v)
                                               for k, v in saved.items() if k in known})
+
+
+# ----------------------------------------------------------------------------- the training stages' configurations
+#: AdamW weight decay of model A's pretraining (the JF rounds keep pretrain_jf.py's default, 0.01).
+PRETRAIN_WEIGHT_DECAY = 0.1
+
+
+def _g(x: float) -> float:
+    """``x`` as the stages have always handed floats to ``pretrain_jf.py``: ``%g``, six significant digits
+    (``3e-3 / 10`` is 0.0003, not 0.00030000000000000003)."""
+    return float(f"{x:g}")
+
+
+def train_precision(preset: Preset) -> str:
+    """``pretrain_jf.py --precision`` of the training stages: ``bf16`` for ``precision="bf16"``, and for ``"auto"``
+    on a CPU with native bf16; else pretrain_jf.py's own default (``auto``: fp32 on CPU)."""
+    if preset.precision == "auto":
+        from megatron_jf.precision import cpu_bf16_supported
+
+        bf16 = cpu_bf16_supported()
+    else:
+        bf16 = preset.precision == "bf16"
+    return "bf16" if bf16 else RuntimeConfig.precision
+
+
+def warmup_steps(steps: int) -> int:
+    """Linear-warmup steps of a quickstart training run: a twentieth of its steps, at least one."""
+    return max(1, steps // 20)
+
+
+def _pretrain(preset: Preset, out: Path, **kw) -> TrainConfig:
+    """The settings both pretraining passes share: next-token training on the corpus token stream, held-out
+    validation, weight decay :data:`PRETRAIN_WEIGHT_DECAY`."""
+    p = preset
+    return TrainConfig.from_flat(
+        objective="ar", precision=train_precision(p), tokenizer=str(out / "tokenizer"),
+        data=[str(out / "tokens_train.npy")], valid_data=[str(out / "tokens_heldout.npy")], seq_length=p.pretrain_seq,
+        micro_batch_size=p.pretrain_mbs, weight_decay=PRETRAIN_WEIGHT_DECAY, threads=p.threads, **kw)
+
+
+def base_train_config(preset: Preset, out: Path, hf_config: Path) -> TrainConfig:
+    """Model A's (first) pretraining pass from scratch (architecture: the ``hf_config`` directory): peak lr
+    ``pretrain_lr`` cosine to a tenth of it, 4 checkpoints into ``OUT/base`` (``OUT/base_pass1`` when a second pass
+    follows), 20 log lines into ``OUT/base_log.jsonl``."""
+    p, steps = preset, preset.pretrain_steps
+    return _pretrain(p, out, hf_config=str(hf_config), train_steps=steps, lr=_g(p.pretrain_lr),
+                     min_lr=_g(p.pretrain_lr / 10), warmup_steps=warmup_steps(steps),
+                     save=str(out / ("base_pass1" if p.pretrain_second_pass_steps else "base")),
+                     save_interval=max(10, steps // 4), log_interval=max(1, steps // 20),
+                     log_file=str(out / "base_log.jsonl"))
+
+
+def second_pass_train_config(preset: Preset, out: Path) -> TrainConfig | None:
+    """Model A's second pretraining pass (``pretrain_second_pass_steps``; None: none): from the first pass's weights
+    (``--load``: a new optimizer, the data order from its start) at lr ``pretrain_lr / 10`` cosine to
+    ``pretrain_lr / 100`` after one warmup step, 2 checkpoints into ``OUT/base``."""
+    p, steps = preset, preset.pretrain_second_pass_steps
+    if not steps:
+        return None
+    return _pretrain(p, out, load=str(out / "base_pass1"), train_steps=steps, lr=_g(p.pretrain_lr / 10),
+                     min_lr=_g(p.pretrain_lr / 100), warmup_steps=1, save=str(out / "base"),
+                     save_interval=max(10, steps // 2), log_interval=max(1, steps // 10),
+                     log_file=str(out / "base_pass2_log.jsonl"))
+
+
+def jf_round(preset: Preset, stage: str) -> tuple[str, str, int, int, int]:
+    """``(initial checkpoint, trajectory stage, block size n, window w, steps)`` of JF round ``stage`` (``jf1``:
+    from the base on ``traj1`` at n1/w1; ``jf2``: from round 1 on ``traj2`` at n2/w2)."""
+    if stage == "jf1":
+        return "base", "traj1", preset.n1, preset.w1, preset.jf1_steps
+    if stage == "jf2":
+        return "jf1", "traj2", preset.n2, preset.w2, preset.jf2_steps
+    raise ValueError(f"unknown JF round {stage!r}; expected jf1 or jf2")
+
+
+def jf_train_config(preset: Preset, stage: str, out: Path) -> TrainConfig:
+    """JF round ``stage`` (:func:`jf_round`; the round's lr / AR weight / anchor weight:
+    :meth:`Preset.round_recipe`): cosine from the peak lr to ``jf_min_lr_ratio`` of it, ``jf_saves`` checkpoints
+    into ``OUT/<stage>``, 20 log lines into ``OUT/<stage>_log.jsonl``. The AR target (:data:`AR_TARGETS`) decides
+    the anchor rows: ``ground_truth`` / ``both`` train L_AR on the ground-truth answers (``OUT/tokens_gt_train.npy``)
+    as anchor rows at ``jf_gt_weight`` (default: the AR weight; ``ground_truth`` moves the clean blocks' AR weight
+    there), ``self`` with an anchor weight > 0 adds corpus text rows (``OUT/tokens_train.npy``).
+
+    Raises:
+        ValueError: an unknown AR target, or the corpus anchor together with ground-truth rows.
+    """
+    p = preset
+    init, data, n, w, steps = jf_round(p, stage)
+    lr, ar_weight, anchor_weight = p.round_recipe(stage)
+    if p.ar_target not in AR_TARGETS:
+        raise ValueError(f"ar_target must be one of {', '.join(AR_TARGETS)}, got {p.ar_target!r}")
+    anchor: dict = {}
+    if p.ar_target in ("ground_truth", "both"):  # L_AR on ground-truth answers (too)
+        if anchor_weight > 0:
+            raise ValueError(f"ar_target={p.ar_target!r} trains L_AR through the anchor rows: the corpus anchor "
+                             "(anchor weight > 0) cannot be used with it")
+        gt_weight = ar_weight if p.jf_gt_weight is None else p.jf_gt_weight
+        anchor = dict(anchor_data=[str(out / "tokens_gt_train.npy")], anchor_weight=_g(gt_weight))
+        if p.ar_target == "ground_truth":
+            ar_weight = 0.0
+    elif anchor_weight > 0:
+        anchor = dict(anchor_data=[str(out / "tokens_train.npy")], anchor_weight=_g(anchor_weight))
+    if anchor:
+        anchor.update(anchor_seq_length=p.pretrain_seq, anchor_micro_batch_size=p.anchor_mbs)
+    if p.jf_seed is not None:
+        anchor["seed"] = p.jf_seed
+    return TrainConfig.from_flat(
+        objective="jf", precision=train_precision(p), load=str(out / init), data=[str(out / data)],
+        consistency_positions=p.consistency_positions, consistency_loss=p.jf_consistency_loss,
+        resample_noise_per_epoch=p.resample_noise, group_by_length=p.group_by_length, block_size=n, window_size=w,
+        micro_batch_size=p.jf_mbs, train_steps=steps, lr=_g(lr), min_lr=_g(lr * p.jf_min_lr_ratio),
+        warmup_steps=warmup_steps(steps), ar_weight=_g(ar_weight), pc_weight=_g(p.jf_pc_weight),
+        save=str(out / stage), save_interval=max(5, steps // p.jf_saves), log_interval=max(1, steps // 20),
+        threads=p.threads, log_file=str(out / f"{stage}_log.jsonl"), **anchor)

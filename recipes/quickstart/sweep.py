@@ -34,6 +34,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from megatron_jf import cli
 from megatron_jf.fileio import atomic_write_json, atomic_write_text
 
 __all__ = ["parse_run", "run_name", "sweep", "sweep_markdown", "finish_command", "adopt_round2"]
@@ -152,7 +153,7 @@ def sweep(src: Path, out: Path, runs: list[dict], preset, log=print) -> list[dic
             log(f"[sweep] {name}: round 2, {pre.jf2_steps} steps x {pre.jf_mbs} samples, lr {lr:g}, "
                 f"AR weight {ar:g}, anchor {anchor:g}, {pre.precision}")
             t0, cpu0 = time.time(), cpu_seconds()
-            pipe.stage_jf("jf2", "jf1", "traj2", pre.n2, pre.w2, pre.jf2_steps)
+            pipe.stage_jf("jf2")
             train_s, train_cpu_s = time.time() - t0, cpu_seconds() - cpu0
             res = _measure(pipe, "jf2", prompts, eos, held)
             atomic_write_json(done, dict(res, train_s=round(train_s, 1), train_cpu_s=round(train_cpu_s, 1),
@@ -254,10 +255,15 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m recipes.quickstart.sweep``."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--from", dest="src", required=True, help="a quickstart work directory past its traj2 stage")
-    ap.add_argument("--out", required=True, help="sweep directory (one sub-directory per run)")
+    ap.add_argument("--out", dest="sweep_dir", required=True, help="sweep directory (one sub-directory per run)")
     ap.add_argument("--run", action="append", required=True, help="key=value[,key=value]: lr, ar, anchor, steps")
-    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="training precision of the runs")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the preset's)")
+    from megatron_jf.training.config import TrainConfig
+
+    # pretrain_jf.py's --precision (the same definition; --bf16 too), fp32 unless given
+    cli.add_dataclass_arguments(ap, TrainConfig, only=["precision"], defaults={"precision": "fp32"},
+                                helps={"precision": "training precision of the runs (auto: bf16 where the CPU has "
+                                                    "native bf16, else fp32)"})
+    cli.THREADS.add(ap, help="torch threads (default: the preset's)")
     return ap
 
 
@@ -275,10 +281,10 @@ def main(argv=None) -> None:
             from megatron_jf.precision import require_cpu_bf16
 
             require_cpu_bf16()
-        sweep(src, Path(a.out), [parse_run(r) for r in a.run], preset)
+        sweep(src, Path(a.sweep_dir), [parse_run(r) for r in a.run], preset)
     except (OSError, ValueError, RuntimeError) as e:
         raise SystemExit(f"error: {e}") from None
-    print((Path(a.out) / "sweep.md").read_text())
+    print((Path(a.sweep_dir) / "sweep.md").read_text())
 
 
 if __name__ == "__main__":
