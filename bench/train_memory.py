@@ -67,79 +67,60 @@ DEFAULT_TARGET_GIB = 120.0
 MODES = ("none", "selective", "full")
 CLASSES = ("hidden", "scalar", "rope", "per_head", "attn", "ffn", "other")
 
-#: Architectures (Hugging Face config values).
-PRESETS = {
-    "qwen2.5-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
-                       num_kv_heads=4, head_dim=128, tie_word_embeddings=False, qkv_bias=True),
-    "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
-                         num_kv_heads=2, head_dim=128, tie_word_embeddings=True, qkv_bias=True),
-    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
-                         num_kv_heads=2, head_dim=64, tie_word_embeddings=True, qkv_bias=True),
-}
+#: Architectures the planner knows by name (:mod:`megatron_jf.models.shapes`: the Qwen2.5 sizes, defined once).
+PRESETS = ("qwen2.5-7b", "qwen2.5-1.5b", "qwen2.5-0.5b")
 
 
 # ----------------------------------------------------------------------------- architecture
-@dataclasses.dataclass
-class Arch:
-    """The sizes the planner needs (Hugging Face names)."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-
-    def params(self, tp: int = 1, pp: int = 1) -> dict[str, int]:
-        """Parameter counts on one rank: ``layers`` (this stage's decoder layers, TP-split where megatron
-        splits them), ``embedding`` and ``output`` (vocabulary padded to a multiple of ``tp``, split by TP;
-        on the first / last stage)."""
-        h, f, nh, ng, d = self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = h * (nh + 2 * ng) * d + ((nh + 2 * ng) * d if self.qkv_bias else 0)
-        per_layer_split = qkv + nh * d * h + 3 * h * f  # qkv, proj, fc1 (gate+up), fc2
-        per_layer_repl = 2 * h  # two RMSNorm weights
-        layers = math.ceil(self.num_layers / pp)
-        v_pad = math.ceil(self.vocab_size / tp) * tp
-        emb = v_pad * h // tp
-        return {"layers": layers * (per_layer_split // tp + per_layer_repl), "embedding": emb,
-                "output": 0 if self.tie_word_embeddings else emb, "final_norm": h}
-
-    def total_params(self) -> int:
-        p = self.params()
-        return sum(p.values())
+def params(arch, tp: int = 1, pp: int = 1) -> dict[str, int]:
+    """Parameter counts of :class:`~megatron_jf.models.hf_config.ModelArgs` ``arch`` on one rank: ``layers`` (this
+    stage's decoder layers, TP-split where megatron splits them), ``embedding`` and ``output`` (vocabulary padded to a
+    multiple of ``tp``, split by TP; on the first / last stage)."""
+    h, f, nh, ng, d = arch.hidden_size, arch.intermediate_size, arch.num_heads, arch.num_kv_heads, arch.head_dim
+    qkv = h * (nh + 2 * ng) * d + ((nh + 2 * ng) * d if arch.qkv_bias else 0)
+    per_layer_split = qkv + nh * d * h + 3 * h * f  # qkv, proj, fc1 (gate+up), fc2
+    per_layer_repl = 2 * h  # two RMSNorm weights
+    layers = math.ceil(arch.num_layers / pp)
+    v_pad = math.ceil(arch.vocab_size / tp) * tp
+    emb = v_pad * h // tp
+    return {"layers": layers * (per_layer_split // tp + per_layer_repl), "embedding": emb,
+            "output": 0 if arch.tie_word_embeddings else emb, "final_norm": h}
 
 
-def load_arch(name_or_path: str) -> Arch:
-    """A preset name (:data:`PRESETS`) or a Hugging Face model directory / ``config.json``.
+def total_params(arch) -> int:
+    """All parameters of ``arch`` (one rank, no parallelism)."""
+    return sum(params(arch).values())
+
+
+def load_arch(name_or_path: str):
+    """A :class:`~megatron_jf.models.hf_config.ModelArgs`: a shape name (:data:`PRESETS`,
+    :mod:`megatron_jf.models.shapes`) or a Hugging Face model directory / ``config.json``.
 
     Raises:
-        ValueError: unknown preset and not a readable config.
+        ValueError: unknown name and not a readable config.
     """
-    if name_or_path.lower() in PRESETS:
-        return Arch(**PRESETS[name_or_path.lower()])
+    import json
+
+    from megatron_jf.models import shapes
+    from megatron_jf.models.hf_config import ModelArgs
+
+    if name_or_path.lower() in shapes.names():
+        return shapes.get(name_or_path)
     path = os.path.join(name_or_path, "config.json") if os.path.isdir(name_or_path) else name_or_path
     if not os.path.isfile(path):
         raise ValueError(f"--model {name_or_path!r}: not one of {sorted(PRESETS)} and no config.json there")
-    from megatron_jf.models.hf_config import ModelArgs
-    import json
-
     with open(path) as f:
-        a = ModelArgs.from_hf_dict(json.load(f))
-    return Arch(a.vocab_size, a.hidden_size, a.intermediate_size, a.num_layers, a.num_heads, a.num_kv_heads,
-                a.head_dim, a.tie_word_embeddings, a.qkv_bias)
+        return ModelArgs.from_hf_dict(json.load(f))
 
 
-def _widths(a: Arch) -> dict[str, set[int]]:
+def _widths(a) -> dict[str, set[int]]:
     nh, ng, d = a.num_heads, a.num_kv_heads, a.head_dim
     return {"hidden": {a.hidden_size}, "scalar": {1}, "rope": {d}, "per_head": {nh, ng},
             "attn": {nh * d, ng * d, 2 * ng * d, (nh + 2 * ng) * d, (nh + ng) * d},
             "ffn": {a.intermediate_size, 2 * a.intermediate_size}}
 
 
-def small_twin(arch: Arch, max_factor: int = 8) -> tuple[Arch, int]:
+def small_twin(arch, max_factor: int = 8) -> tuple[object, int]:
     """The measurement model: hidden and FFN sizes divided by the largest ``k <= max_factor`` dividing both,
     the same head counts, the smallest head dimension (>= 8, even) that keeps every tensor kind's width
     distinct (:func:`_widths`), 1 layer, vocabulary 256.
@@ -160,19 +141,16 @@ def small_twin(arch: Arch, max_factor: int = 8) -> tuple[Arch, int]:
 
 
 # ----------------------------------------------------------------------------- measurement
-def _build_small_model(small: Arch, layers: int, mode: str, seed: int = 0):
+def _build_small_model(small, layers: int, mode: str, seed: int = 0):
     """A JFGPTModel (this repo's layer spec) with recompute set directly on its TransformerConfig."""
     import torch
 
     from megatron_jf import parallel
     from megatron_jf.models.gpt import JFGPTModel, layer_spec, transformer_config
-    from megatron_jf.models.hf_config import ModelArgs
 
-    args = ModelArgs(architecture="Qwen2ForCausalLM", vocab_size=small.vocab_size, hidden_size=small.hidden_size,
-                     intermediate_size=small.intermediate_size, num_layers=layers, num_heads=small.num_heads,
-                     num_kv_heads=small.num_kv_heads, head_dim=small.head_dim, rms_norm_eps=1e-6, rope_theta=1e6,
-                     max_position_embeddings=4096, tie_word_embeddings=small.tie_word_embeddings,
-                     qkv_bias=small.qkv_bias)
+    args = dataclasses.replace(small, architecture="Qwen2ForCausalLM", num_layers=layers, rms_norm_eps=1e-6,
+                               rope_theta=1e6, max_position_embeddings=4096, eos_token_ids=[], bos_token_id=None,
+                               pad_token_id=None, extra={})
     cfg = transformer_config(args, params_dtype=torch.float32)
     rc = {"none": dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None),
           "selective": dict(recompute_granularity="selective", recompute_method=None, recompute_num_layers=None),
@@ -214,7 +192,7 @@ def saved_tensor_census(model, tokens, position_ids) -> list[tuple[int, str, int
     return list(seen.values())
 
 
-def _classify(elements: int, tokens: int, small: Arch) -> str:
+def _classify(elements: int, tokens: int, small) -> str:
     per_token = elements / tokens
     for name, widths in _widths(small).items():
         if per_token in widths:
@@ -222,8 +200,8 @@ def _classify(elements: int, tokens: int, small: Arch) -> str:
     return "other"
 
 
-def measure_activations(arch: Arch, modes=MODES, *, seqs=(64, 128), layers=(1, 3), rows: int = 2
-                        ) -> tuple[dict[str, dict[str, float]], Arch, int]:
+def measure_activations(arch, modes=MODES, *, seqs=(64, 128), layers=(1, 3), rows: int = 2
+                        ) -> tuple[dict[str, dict[str, float]], object, int]:
     """Measured saved activation elements per token per layer of ``arch``'s small twin, per mode and class.
 
     Runs ``len(modes) x 4`` CPU forwards (``layers`` x ``seqs``, ``rows`` causal rows). Needs
@@ -274,7 +252,7 @@ class Plan:
         return sum(self.components.values())
 
 
-def act_bytes_per_token_layer(meas: dict[str, float], arch: Arch, small: Arch, tp: int, sequence_parallel: bool,
+def act_bytes_per_token_layer(meas: dict[str, float], arch, small, tp: int, sequence_parallel: bool,
                               dtype_bytes: int = 2) -> float:
     """Target-model (``arch``) saved bytes per token per layer on one TP rank, from the small twin's
     measurement (elements per token per layer by class), in ``dtype_bytes`` (log-sum-exp in fp32)."""
@@ -288,7 +266,7 @@ def act_bytes_per_token_layer(meas: dict[str, float], arch: Arch, small: Arch, t
     return dtype_bytes * (hidden + rope + sharded + other) + 4 * meas["per_head"] / tp
 
 
-def loss_bytes(arch: Arch, tp: int, rows_loss: int, rows_model: int, *, loss_rows_head: bool,
+def loss_bytes(arch, tp: int, rows_loss: int, rows_model: int, *, loss_rows_head: bool,
                chunk: int | None, dtype_bytes: int = 2) -> tuple[int, str]:
     """Output layer + loss temporaries of one microbatch on one rank.
 
@@ -314,7 +292,7 @@ def loss_bytes(arch: Arch, tp: int, rows_loss: int, rows_model: int, *, loss_row
     return rows_model * v_local * dtype_bytes + 6 * pairs * v_local * 4, "all-row logits + 6 fp32 [C, V_local]"
 
 
-def plan(arch: Arch, meas: dict[str, dict[str, float]], small: Arch, *, tp: int = 1, pp: int = 1, dp: int = 1,
+def plan(arch, meas: dict[str, dict[str, float]], small, *, tp: int = 1, pp: int = 1, dp: int = 1,
          seq_length: int, micro_batch_size: int = 1, num_microbatches: int = 1,
          recompute_granularity: str | None = None, recompute_method: str | None = None,
          recompute_num_layers: int | None = None, sequence_parallel: bool = False,
@@ -334,7 +312,7 @@ def plan(arch: Arch, meas: dict[str, dict[str, float]], small: Arch, *, tp: int 
         raise ValueError("--recompute-granularity full needs --recompute-method uniform|block and "
                          "--recompute-num-layers N")
     notes = []
-    p = arch.params(tp, pp)
+    p = params(arch, tp, pp)
     local = p["layers"] + p["embedding"] + p["output"] + p["final_norm"]  # first==last stage when pp == 1
     if pp > 1:
         local = p["layers"] + max(p["embedding"], p["output"] + p["final_norm"])
@@ -460,25 +438,27 @@ def report(title: str, pl: Plan, target_gib: float) -> str:
     return "\n".join(lines)
 
 
+#: The ``pretrain_jf.py`` flags the planner takes (their ``TrainConfig`` definitions).
+TRAIN_FLAGS = ("tp", "pp", "sequence_parallel", "use_distributed_optimizer", "recompute_granularity",
+               "recompute_method", "recompute_num_layers", "seq_length", "micro_batch_size", "loss_chunk_size")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The planner's command line (torch-free). The training settings are ``pretrain_jf.py``'s own flags (the
+    ``TrainConfig`` fields: same spellings, types and choices; defaults for a 7B long-context plan)."""
+    from megatron_jf import cli
+    from megatron_jf.training.config import TrainConfig
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen2.5-7b", help=f"preset {sorted(PRESETS)} or an HF model directory")
+    p.add_argument("--model", default="qwen2.5-7b", help=f"shape {sorted(PRESETS)} or an HF model directory")
     p.add_argument("--script", help="take the parallel / recompute / sequence settings from this launch script")
     p.add_argument("--contrast", action="store_true",
                    help="print examples/train_jf_qwen7b_h200.sh's settings and today's settings without recompute")
     p.add_argument("--world-size", type=int, help="GPUs in the job (with --script; default: the script's)")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--dp", type=int, default=1)
-    p.add_argument("--seq-length", type=int, default=16384, help="tokens per stream (prompt + response)")
-    p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--num-microbatches", type=int, default=1)
-    p.add_argument("--recompute-granularity", choices=("full", "selective"))
-    p.add_argument("--recompute-method", choices=("uniform", "block"))
-    p.add_argument("--recompute-num-layers", type=int)
-    p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--use-distributed-optimizer", action="store_true")
-    p.add_argument("--loss-chunk-size", type=int, default=1024)
+    p.add_argument("--dp", type=int, default=1, help="data-parallel size")
+    p.add_argument("--num-microbatches", type=int, default=1, help="microbatches per step (1F1B in flight)")
+    cli.add_dataclass_arguments(p, TrainConfig, only=TRAIN_FLAGS, defaults={"seq_length": 16384},
+                                helps={"seq_length": "tokens per stream (prompt + response)"})
     p.add_argument("--all-row-logits", action="store_true",
                    help="today's loss path: output layer over all rows, unchunked loss")
     p.add_argument("--target-gib", type=float, default=DEFAULT_TARGET_GIB)
@@ -500,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     parallel.initialize(1, 1)
     meas, small, k = measure_activations(arch)
-    print(f"model {a.model}: {arch.total_params() / 1e9:.2f} B parameters, h={arch.hidden_size}, "
+    print(f"model {a.model}: {total_params(arch) / 1e9:.2f} B parameters, h={arch.hidden_size}, "
           f"{arch.num_layers} layers, vocab {arch.vocab_size}")
     print(f"measured on CPU: small twin h={small.hidden_size} ffn={small.intermediate_size} heads "
           f"{small.num_heads}/{small.num_kv_heads} x {small.head_dim}; saved elements per token per layer:")

@@ -44,11 +44,10 @@ import statistics
 import time
 
 
-import torch  # noqa: E402
-
-
 def make_record(seed, *, prompt_len, block_size, num_blocks, vocab, num_states=6):
     """A hand-made trajectory record: random fixed points, drafts converging left to right."""
+    import torch
+
     from megatron_jf.data.trajectory import BlockTrajectory, TrajectoryRecord
 
     g = torch.Generator().manual_seed(seed)
@@ -74,6 +73,8 @@ SHAPES = {"smollm2": (576, 30, 9, 3, 1536, 49152, True), "model-a": (256, 4, 8, 
 def compare_precision(step, opt, batch_size: int, reps: int, stat) -> dict:
     """Time ``step()`` (forward + loss + backward) + the optimizer step in fp32 and under bf16 autocast,
     interleaved (first round: warm-up). Returns ``{"fp32": s, "bf16": s}`` per step (``stat`` of ``reps``)."""
+    import torch
+
     from megatron_jf.precision import autocast
 
     times = {"fp32": [], "bf16": []}
@@ -89,11 +90,20 @@ def compare_precision(step, opt, batch_size: int, reps: int, stat) -> dict:
     return {k: stat(v) for k, v in times.items()}
 
 
-def main(argv=None):
+#: The ``pretrain_jf.py`` flags the bench takes (their ``TrainConfig`` definitions; the bench's own defaults).
+TRAIN_FLAGS = ("block_size", "loss_chunk_size")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The bench's command line (torch-free); ``--block-size`` / ``--loss-chunk-size`` / ``--threads`` are
+    ``pretrain_jf.py``'s definitions."""
+    from megatron_jf import cli
+    from megatron_jf.training.config import TrainConfig
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--blocks", type=int, default=8, help="N blocks per sample")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--prompt", type=int, default=64)
+    cli.add_dataclass_arguments(p, TrainConfig, only=TRAIN_FLAGS, defaults={"block_size": 16})
+    p.add_argument("--prompt", dest="prompt_len", type=int, default=64, help="prompt tokens per sample")
     p.add_argument("--batch", type=int, default=4, help="samples per step")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
@@ -103,13 +113,17 @@ def main(argv=None):
                    help="model shape preset (overrides --hidden/--layers/--heads/--vocab)")
     p.add_argument("--compare-precision", action="store_true",
                    help="time only the JF loss-rows step, fp32 vs bf16 autocast (fp32 master weights)")
-    p.add_argument("--loss-chunk-size", type=int, default=None,
-                   help="loss rows per chunk (default: the trainer's --loss-chunk-size default)")
     p.add_argument("--no-before", action="store_true", help="skip the full-row (before) JF step")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement")
     p.add_argument("--stat", choices=("min", "median"), default="min", help="statistic over the repetitions")
-    p.add_argument("--threads", type=int, default=1)
-    a = p.parse_args(argv)
+    cli.THREADS.add(p, default=1)
+    return p
+
+
+def main(argv=None):
+    a = build_parser().parse_args(argv)
+    import torch
+
     torch.set_num_threads(a.threads)
 
     from megatron_jf import parallel, platform
@@ -121,11 +135,11 @@ def main(argv=None):
     from megatron_jf.models.hf_config import ModelArgs
     from megatron_jf.models.zoo import tiny_hf_config
     from megatron_jf.training.attention_paths import build_jf_batch, jf_forward
-    from megatron_jf.training.losses import DEFAULT_LOSS_CHUNK, JFObjective, ar_loss, jf_loss, loss_temporary_bytes
+    from megatron_jf.training.losses import JFObjective, ar_loss, jf_loss, loss_temporary_bytes
     from megatron_jf.training.memstats import peak_bytes
     from megatron_jf.training.output_head import forward_loss_rows, head_loss, output_weight
 
-    chunk = DEFAULT_LOSS_CHUNK if a.loss_chunk_size is None else a.loss_chunk_size
+    chunk = a.loss_chunk_size
     kv, ffn, tied = max(1, a.heads // 4), int(2.75 * a.hidden), False
     if a.shape:
         a.hidden, a.layers, a.heads, kv, ffn, a.vocab, tied = SHAPES[a.shape]
@@ -136,13 +150,13 @@ def main(argv=None):
     dev = platform.default_device()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     cfg = JFObjective()
-    recs = [make_record(i, prompt_len=a.prompt, block_size=a.block_size, num_blocks=a.blocks, vocab=a.vocab)
+    recs = [make_record(i, prompt_len=a.prompt_len, block_size=a.block_size, num_blocks=a.blocks, vocab=a.vocab)
             for i in range(a.batch)]
     packed = [pack_record(r, "progressive", a.blocks) for r in recs]
     two = build_jf_batch(packed, path="two_stream", mask="nc").to(dev)
     dense = build_jf_batch(packed, path="dense", mask="nc").to(dev)
     R, S = two.tokens.shape
-    U = a.prompt + 2 * a.blocks * a.block_size  # unique tokens per sample: prompt once, noisy + clean response
+    U = a.prompt_len + 2 * a.blocks * a.block_size  # unique tokens per sample: prompt once, noisy + clean response
     causal_tokens = torch.randint(0, a.vocab, (a.batch, U + 1), generator=torch.Generator().manual_seed(1)).to(dev)
     causal_pos = torch.arange(U, device=dev).expand(a.batch, U)
 
@@ -159,7 +173,7 @@ def main(argv=None):
         b.pc_targets, b.pair_sample, b.pair_block = b.pc_targets[keep], b.pair_sample[keep], b.pair_block[keep]
         # AR positions predicting block j's tokens: the last block_size AR positions of each sample
         col = b.ar_index % b.tokens.shape[1]
-        akeep = col >= a.prompt - 1 + j * a.block_size
+        akeep = col >= a.prompt_len - 1 + j * a.block_size
         b.ar_index, b.ar_targets, b.ar_sample = b.ar_index[akeep], b.ar_targets[akeep], b.ar_sample[akeep]
         per_block.append(b.to(dev))
 
@@ -209,7 +223,7 @@ def main(argv=None):
         print(f"model: {n_params / 1e6:.2f}M params ({a.shape or 'custom'}: hidden {a.hidden}, {a.layers} layers, "
               f"{a.heads}/{kv} heads, FFN {ffn}, vocab {a.vocab}), {a.threads} thread(s), device {dev}; CPU bf16: "
               + (f"{feat} (native)" if feat else "none (emulated: pretrain_jf.py --bf16 refuses this CPU)"))
-        print(f"batch: {a.batch} samples x (prompt {a.prompt} + {a.blocks} blocks x {a.block_size}), two-stream "
+        print(f"batch: {a.batch} samples x (prompt {a.prompt_len} + {a.blocks} blocks x {a.block_size}), two-stream "
               f"rows {R} x {S}; JF step (loss rows) + AdamW, {a.stat} of {a.reps}")
         for k in ("fp32", "bf16"):
             print(f"  {k + (' autocast, fp32 master weights' if k == 'bf16' else ''):<40} {t[k] * 1e3:9.1f} ms"
@@ -246,7 +260,7 @@ def main(argv=None):
     loss_rows = 2 * C + M
     print(f"model: {n_params / 1e6:.2f}M params (hidden {a.hidden}, {a.layers} layers, vocab {a.vocab}), "
           f"{a.threads} thread(s), device {dev}")
-    print(f"batch: {a.batch} samples x (prompt {a.prompt} + {a.blocks} blocks x {a.block_size}); "
+    print(f"batch: {a.batch} samples x (prompt {a.prompt_len} + {a.blocks} blocks x {a.block_size}); "
           f"two-stream rows {R} x {S} = {R * S} tokens ({loss_rows} loss rows: {C} student + {C} teacher + {M} AR; "
           f"chunk {chunk or 'all'}); causal over unique tokens {a.batch} x {U} = {a.batch * U}; "
           f"dense rows {dense.tokens.shape[0]} x {dense.tokens.shape[1]}")

@@ -12,9 +12,11 @@ import os
 import pytest
 
 from bench import train_memory as tm
+from megatron_jf.models.hf_config import ModelArgs
 
-TINY = tm.Arch(vocab_size=1000, hidden_size=64, intermediate_size=160, num_layers=4, num_heads=4, num_kv_heads=2,
-               head_dim=16, tie_word_embeddings=False, qkv_bias=True)
+TINY = ModelArgs(architecture="Qwen2ForCausalLM", vocab_size=1000, hidden_size=64, intermediate_size=160, num_layers=4,
+                 num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e6,
+                 max_position_embeddings=4096, tie_word_embeddings=False, qkv_bias=True)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,7 @@ def test_measured_full_recompute_saves_fewer_bytes_than_none(measured):
 @pytest.mark.parametrize("name,count", [("qwen2.5-7b", 7_615_616_512), ("qwen2.5-1.5b", 1_543_714_304),
                                         ("qwen2.5-0.5b", 494_032_768)])
 def test_parameter_counts_match_published_sizes(name, count):
-    assert tm.load_arch(name).total_params() == count
+    assert tm.total_params(tm.load_arch(name)) == count
 
 
 def test_projection_arithmetic(measured):
@@ -46,7 +48,7 @@ def test_projection_arithmetic(measured):
     kw = dict(tp=2, dp=4, seq_length=100, micro_batch_size=1, loss_chunk=32)
     pl = tm.plan(TINY, meas, small, **kw)
     assert pl.total == sum(pl.components.values())
-    p = TINY.params(2)
+    p = tm.params(TINY, 2)
     local = sum(p.values())
     assert p["embedding"] == p["output"] == 500 * 64  # vocab 1000 split over TP 2
     assert pl.components["weights (bf16)"] == 2 * local
@@ -113,3 +115,20 @@ def test_launch_script_projects_within_target(mp1):
                                        else arch.head_dim / small.head_dim if c in ("attn", "rope") else 1)
                     for c in tm.CLASSES)
     assert 30 * arch.hidden_size < per_layer < 42 * arch.hidden_size
+
+
+def test_planner_flags_are_pretrain_jfs_definitions():
+    """The planner's training flags are ``pretrain_jf.py``'s (the TrainConfig fields), with its own seq-length
+    default; parsing needs no torch."""
+    from megatron_jf.training.config import build_parser as pretrain_parser
+
+    p = tm.build_parser()
+    ours = {a.dest: a for a in p._actions}
+    theirs = {a.dest: a for a in pretrain_parser()._actions}
+    for dest in tm.TRAIN_FLAGS:
+        assert ours[dest].definition is theirs[dest].definition, dest
+    a = p.parse_args(["--tensor-model-parallel-size", "2", "--recompute-granularity", "full", "--recompute-method",
+                      "uniform", "--recompute-num-layers", "1", "--sequence-parallel"])
+    assert (a.tp, a.recompute_method, a.sequence_parallel, a.seq_length) == (2, "uniform", True, 16384)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--recompute-method", "zigzag"])
