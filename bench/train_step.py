@@ -97,18 +97,17 @@ TRAIN_FLAGS = ("block_size", "loss_chunk_size")
 def build_parser() -> argparse.ArgumentParser:
     """The bench's command line (torch-free); ``--block-size`` / ``--loss-chunk-size`` / ``--threads`` are
     ``pretrain_jf.py``'s definitions."""
+    from bench import common
     from megatron_jf import cli
     from megatron_jf.training.config import TrainConfig
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--blocks", type=int, default=8, help="N blocks per sample")
     cli.add_dataclass_arguments(p, TrainConfig, only=TRAIN_FLAGS, defaults={"block_size": 16})
-    p.add_argument("--prompt", dest="prompt_len", type=int, default=64, help="prompt tokens per sample")
+    p.add_argument("--prompt", dest="prompt_tokens", type=int, default=64, help="prompt tokens per sample")
     p.add_argument("--batch", type=int, default=4, help="samples per step")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
+    common.add_builtin_model_args(p, hidden=256, layers=4, vocab=4096)
     p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--shape", choices=sorted(SHAPES), default=None,
                    help="model shape preset (overrides --hidden/--layers/--heads/--vocab)")
     p.add_argument("--compare-precision", action="store_true",
@@ -150,13 +149,13 @@ def main(argv=None):
     dev = platform.default_device()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     cfg = JFObjective()
-    recs = [make_record(i, prompt_len=a.prompt_len, block_size=a.block_size, num_blocks=a.blocks, vocab=a.vocab)
+    recs = [make_record(i, prompt_len=a.prompt_tokens, block_size=a.block_size, num_blocks=a.blocks, vocab=a.vocab)
             for i in range(a.batch)]
     packed = [pack_record(r, "progressive", a.blocks) for r in recs]
     two = build_jf_batch(packed, path="two_stream", mask="nc").to(dev)
     dense = build_jf_batch(packed, path="dense", mask="nc").to(dev)
     R, S = two.tokens.shape
-    U = a.prompt_len + 2 * a.blocks * a.block_size  # unique tokens per sample: prompt once, noisy + clean response
+    U = a.prompt_tokens + 2 * a.blocks * a.block_size  # unique tokens per sample: prompt once, noisy + clean response
     causal_tokens = torch.randint(0, a.vocab, (a.batch, U + 1), generator=torch.Generator().manual_seed(1)).to(dev)
     causal_pos = torch.arange(U, device=dev).expand(a.batch, U)
 
@@ -173,7 +172,7 @@ def main(argv=None):
         b.pc_targets, b.pair_sample, b.pair_block = b.pc_targets[keep], b.pair_sample[keep], b.pair_block[keep]
         # AR positions predicting block j's tokens: the last block_size AR positions of each sample
         col = b.ar_index % b.tokens.shape[1]
-        akeep = col >= a.prompt_len - 1 + j * a.block_size
+        akeep = col >= a.prompt_tokens - 1 + j * a.block_size
         b.ar_index, b.ar_targets, b.ar_sample = b.ar_index[akeep], b.ar_targets[akeep], b.ar_sample[akeep]
         per_block.append(b.to(dev))
 
@@ -223,7 +222,7 @@ def main(argv=None):
         print(f"model: {n_params / 1e6:.2f}M params ({a.shape or 'custom'}: hidden {a.hidden}, {a.layers} layers, "
               f"{a.heads}/{kv} heads, FFN {ffn}, vocab {a.vocab}), {a.threads} thread(s), device {dev}; CPU bf16: "
               + (f"{feat} (native)" if feat else "none (emulated: pretrain_jf.py --bf16 refuses this CPU)"))
-        print(f"batch: {a.batch} samples x (prompt {a.prompt_len} + {a.blocks} blocks x {a.block_size}), two-stream "
+        print(f"batch: {a.batch} samples x (prompt {a.prompt_tokens} + {a.blocks} blocks x {a.block_size}), two-stream "
               f"rows {R} x {S}; JF step (loss rows) + AdamW, {a.stat} of {a.reps}")
         for k in ("fp32", "bf16"):
             print(f"  {k + (' autocast, fp32 master weights' if k == 'bf16' else ''):<40} {t[k] * 1e3:9.1f} ms"
@@ -260,7 +259,7 @@ def main(argv=None):
     loss_rows = 2 * C + M
     print(f"model: {n_params / 1e6:.2f}M params (hidden {a.hidden}, {a.layers} layers, vocab {a.vocab}), "
           f"{a.threads} thread(s), device {dev}")
-    print(f"batch: {a.batch} samples x (prompt {a.prompt_len} + {a.blocks} blocks x {a.block_size}); "
+    print(f"batch: {a.batch} samples x (prompt {a.prompt_tokens} + {a.blocks} blocks x {a.block_size}); "
           f"two-stream rows {R} x {S} = {R * S} tokens ({loss_rows} loss rows: {C} student + {C} teacher + {M} AR; "
           f"chunk {chunk or 'all'}); causal over unique tokens {a.batch} x {U} = {a.batch * U}; "
           f"dense rows {dense.tokens.shape[0]} x {dense.tokens.shape[1]}")
