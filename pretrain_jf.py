@@ -174,7 +174,9 @@ def train_valid_datasets_provider(cfg: TrainConfig, model_args):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; returns the process exit status (1 with a one-line error for bad input)."""
+    """CLI entry point; returns the process exit status: 2 with one ``pretrain_jf.py: error: ...`` line for bad input
+    (as every command, :mod:`megatron_jf.commands`)."""
+    from megatron_jf.commands import EXIT_INPUT
     from megatron_jf.load_errors import check_load_dir
 
     try:  # arguments and the --load path first: answered before torch and megatron-core are imported
@@ -189,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                 require_cpu_bf16()
     except (ValueError, FileNotFoundError) as e:
         print(f"pretrain_jf.py: error: {e}", file=sys.stderr, flush=True)
-        return 1
+        return EXIT_INPUT
     from megatron_jf import parallel
     from megatron_jf.training.trainer import pretrain
 
@@ -197,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         pretrain(cfg, model_provider, partial(forward_step, cfg=cfg), train_valid_datasets_provider)
     except (ValueError, FileNotFoundError) as e:
         print(f"pretrain_jf.py: error: {e}", file=sys.stderr, flush=True)
-        return 1
+        return EXIT_INPUT
     finally:
         parallel.destroy()
     return 0

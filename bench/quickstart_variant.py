@@ -90,7 +90,9 @@ def build_parser():
     ap = common.parser(__doc__)
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="code-preset fields to change")
     cli.OUT.add(ap, required=True, metavar="DIR", help="work directory (resumable)")
-    ap.add_argument("--until", default="prompts", help="last pipeline stage to run")
+    from recipes.quickstart.presets import UNTIL
+
+    UNTIL.add(ap, default="prompts", help="last pipeline stage to run")
     ap.add_argument("--measure", default=None, help="comma-separated checkpoints to measure, e.g. base,jf1 (default: "
                                                     "base, plus jf1/jf2 when --until reaches them)")
     cli.THREADS.add(ap, default=1)

@@ -265,6 +265,9 @@ LOAD = Option("load", ("--load",), {
             "tools/convert_hf.py hf-to-mcore)"})
 #: the random seed (sampling, data order, initialisation)
 SEED = Option("seed", ("--seed",), {"type": int, "default": 1234, "help": "random seed"})
+#: the block size n: draft tokens per Jacobi block (decoding) and the block size of trajectories (training); the
+#: fields ``DecodeConfig.block_size`` and ``DataConfig.block_size`` name this option
+BLOCK_SIZE = Option("block_size", ("--block-size",), {"type": positive_int, "help": "block size n"})
 #: a JSON file the results are also written to
 JSON_OUT = Option("json", ("--json",), {"default": None, "metavar": "FILE",
                                         "help": "also write the results to this JSON file"})

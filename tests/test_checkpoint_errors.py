@@ -186,7 +186,7 @@ def test_pretrain_load_and_resume_stop_with_one_line(good_ckpt, tmp_path, mode, 
     proc = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_jf.py"), *where, "--objective", "ar",
                            "--data", str(data), "--seq-length", "16", "--train-steps", "1", "--no-progress"],
                           capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
-    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert lines and lines[-1].startswith("pretrain_jf.py: error: "), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -114,7 +114,7 @@ def test_cpu_without_bf16_is_refused_in_one_line(work, monkeypatch):
     proc = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_jf.py"), *argv], capture_output=True,
                           text=True, timeout=300, env=dict(os.environ, PYTHONPATH=REPO))
     err = [line for line in proc.stderr.strip().splitlines() if "Warning" not in line and "warn" not in line]
-    assert proc.returncode == 1 and len(err) == 1, proc.stderr
+    assert proc.returncode == 2 and len(err) == 1, proc.stderr
     assert err[0].startswith("pretrain_jf.py: error: --precision bf16 on CPU needs"), err
 
 

@@ -81,7 +81,7 @@ def test_pretrain(hf_dir, message, tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_jf.py"), "--load", hf_dir, "--data",
                            str(tmp_path / "d"), "--train-steps", "1", "--block-size", "4", "--save",
                            str(tmp_path / "s")], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
-    assert proc.returncode == 1, proc.stderr
+    assert proc.returncode == 2, proc.stderr
     assert f"pretrain_jf.py: error: {message}" in proc.stderr.splitlines()  # torch may log other lines
 
 

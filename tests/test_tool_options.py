@@ -146,7 +146,7 @@ def test_pretrain_and_convert_take_the_same_parallel_spellings():
         assert {getattr(p.parse_args(REQUIRED["pretrain_jf"] + f), dest) for f in flags} == {2}
     conv = _tool("convert_hf")
     for f in (["--tp", "2"], ["--tensor-model-parallel-size", "2"], ["--tensor-parallel-size", "2"]):
-        assert conv.parse_args(["hf-to-mcore", "--hf", "h", "--out", "o", *f]).tp == 2
+        assert conv.build_parser().parse_args(["hf-to-mcore", "--hf", "h", "--out", "o", *f]).tp == 2
 
 
 # ---- pretrain_jf.py: generated from TrainConfig

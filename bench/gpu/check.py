@@ -82,9 +82,9 @@ def _training_shapes():
 
 
 RECOMPUTE = {
-    "none": [],
-    "full": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
-    "selective": ["--recompute-granularity", "selective"],
+    "none": {},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    "selective": {"recompute_granularity": "selective"},
 }
 #: (attention path, mask, recompute) of the training matrix, most important first (the time budget cuts the end).
 MATRIX = [("two_stream", "nc", "none"), ("two_stream", "nc", "full"), ("packed", "nc", "none"),
@@ -133,12 +133,14 @@ def pretrain_args(hf: str, data: str, log: str, *, path: str = "two_stream", mas
     """``pretrain_jf.py`` arguments of one run (``seq`` is one stream's length; doubled where a row holds both)."""
     if path == "dense" or (path == "packed" and mask != "nc"):
         seq = 2 * seq
-    return ["--hf-config", hf, "--data", data, "--objective", "jf", "--block-size", str(block_size),
-            "--window-size", str(window), "--noise-schedule", "progressive", "--attention-path", path, "--mask", mask,
-            "--seq-length", str(seq), "--micro-batch-size", str(mbs), "--global-batch-size", str(gbs),
-            "--train-steps", str(steps), "--lr", "1e-4", "--warmup-steps", "0", "--clip-grad", "1.0", "--seed", "1234",
-            "--log-interval", "1", "--log-file", log, "--no-progress", "--threads", str(threads), "--num-workers", "0",
-            *RECOMPUTE[recompute]]
+    from megatron_jf import cli
+    from megatron_jf.training.config import TrainConfig
+
+    return cli.to_argv(TrainConfig.from_flat(
+        hf_config=hf, data=[data], objective="jf", block_size=block_size, window_size=window,
+        noise_schedule="progressive", attention_path=path, mask=mask, seq_length=seq, micro_batch_size=mbs,
+        global_batch_size=gbs, train_steps=steps, lr=1e-4, warmup_steps=0, clip_grad=1.0, seed=1234, log_interval=1,
+        log_file=log, progress=False, threads=threads, num_workers=0, **RECOMPUTE[recompute]))
 
 
 # ----------------------------------------------------------------------------------------------- the job runner

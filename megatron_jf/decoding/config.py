@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DECODERS = ("ar", "jacobi", "running-window", "mr")
 DRAFT_INITS = ("context", "repeat")
@@ -47,7 +47,7 @@ class DecodeConfig:
     """
 
     decoder: str = "ar"
-    block_size: int = 16
+    block_size: int = field(default=16, metadata={"cli": {"option": "BLOCK_SIZE"}})  # megatron_jf.cli.BLOCK_SIZE
     num_blocks: int = 2
     spawn_threshold: float = 0.85
     verification_size: int = 4

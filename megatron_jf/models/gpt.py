@@ -148,7 +148,7 @@ def transformer_config(args: ModelArgs, *, params_dtype: torch.dtype | None = No
 
     ``recompute``: activation-recomputation fields passed through to ``TransformerConfig``
     (``recompute_granularity``, ``recompute_method``, ``recompute_num_layers``, ``recompute_modules``;
-    see :meth:`megatron_jf.training.config.TrainConfig.recompute_kwargs`). None: no recomputation.
+    see :meth:`megatron_jf.training.config.RecomputeConfig.kwargs`). None: no recomputation.
 
     Fusions that need CUDA kernels are enabled only on GPU. Weights are initialised on CPU and then
     split, so TP shards are cut from one master weight (TP=2 equals TP=1 up to rounding).

@@ -187,7 +187,7 @@ class DataConfig:
     """Training data: shard directories/globs/manifests (jf) or token files (ar)."""
     valid_data: list[str] | None = cli_field(None, "--valid-data-path")
     """Held-out data in the same format."""
-    block_size: int | None = None
+    block_size: int | None = cli_field(None, option="BLOCK_SIZE")
     """Block size n the shards must have (required for --objective jf)."""
     window_size: int = 16
     """Noise window w of the progressive schedule (paper Eq. 7; official code: 16 for n=32); also the NC-IC
