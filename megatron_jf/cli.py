@@ -59,13 +59,14 @@ class Option:
     flags: tuple
     kwargs: typing.Mapping = dataclasses.field(default_factory=dict)
 
-    def add(self, parser, **override) -> argparse.Action:
-        """Add the option to ``parser`` (a parser or group); ``override``: keywords for this use (``default``,
-        ``help``, ``required`` -- a tool's own wording of the same concept). Returns the action."""
+    def add(self, parser, *, aliases: tuple = (), **override) -> argparse.Action:
+        """Add the option to ``parser`` (a parser or group); ``aliases``: further spellings this command keeps (an
+        earlier name of its flag); ``override``: keywords for this use (``default``, ``help``, ``required``,
+        ``metavar`` -- a tool's own wording of the same concept). Returns the action."""
         kw = {**self.kwargs, **override}
         if kw.get("required"):
             kw.pop("default", None)
-        action = parser.add_argument(*self.flags, dest=self.dest, **kw)
+        action = parser.add_argument(*self.flags, *aliases, dest=self.dest, **kw)
         action.definition = self
         return action
 
@@ -182,6 +183,8 @@ def _pp_one(text: str) -> int:
 #: the tensor-parallel size (``pretrain_jf.py``'s ``TrainConfig.tp`` is this option too)
 TP = Option("tp", TP_FLAGS, {"type": positive_int, "default": 1, "metavar": "TP",
                              "help": "tensor-parallel size (= WORLD_SIZE under torchrun, or a divisor of it)"})
+#: the pipeline-parallel size of training and conversion (``TrainConfig``'s ``parallel.pp`` is this option too)
+PP = Option("pp", PP_FLAGS, {"type": positive_int, "default": 1, "metavar": "PP", "help": "pipeline-parallel size"})
 #: the inference tools' pipeline-parallel size: accepted (Megatron-LM's and vLLM's spellings), only 1
 INFERENCE_PP = Option("pipeline_model_parallel_size", PP_FLAGS,
                       {"type": _pp_one, "default": 1, "metavar": "PP",

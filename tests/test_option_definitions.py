@@ -46,12 +46,19 @@ def definitions(parsers) -> dict[str, dict[int, tuple]]:
     """``dest -> {id(definition): (definition, [(command, option strings), ...])}`` over every optional action;
     an action made by hand (no ``definition`` mark) is its own definition."""
     out: dict[str, dict[int, tuple]] = defaultdict(dict)
-    for cmd, p in parsers.items():
+
+    def walk(cmd, p):
         for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):  # sub-commands: their options count too
+                for name, sub in a.choices.items():
+                    walk(f"{cmd} {name}", sub)
             if isinstance(a, argparse._HelpAction) or not a.option_strings:
                 continue
             d = getattr(a, "definition", a)
             out[a.dest].setdefault(id(d), (d, []))[1].append((cmd, tuple(a.option_strings)))
+
+    for cmd, p in parsers.items():
+        walk(cmd, p)
     return out
 
 
@@ -66,6 +73,11 @@ def test_a_hand_written_duplicate_is_found():
     cli.add_threads_arg(q1)
     cli.THREADS.add(q2, help="this tool's words")
     assert len(definitions({"a": q1, "b": q2})["threads"]) == 1
+    r = argparse.ArgumentParser()
+    sub = r.add_subparsers()
+    sub.add_parser("x").add_argument("--overwrite", action="store_true")
+    sub.add_parser("y").add_argument("--overwrite", action="store_true")
+    assert len(definitions({"r": r})["overwrite"]) == 2  # sub-commands are searched too
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -28,9 +28,13 @@ import shutil
 import subprocess
 import sys
 
+from megatron_jf import cli
 from megatron_jf.commands import InputError, run
 
 NAME = "convert_hf"
+#: replace an existing output directory (both directions)
+OVERWRITE = cli.Option("overwrite", ("--overwrite",), {"action": "store_true",
+                                                       "help": "replace an existing output directory"})
 
 
 def _shard_size(text: str) -> str:
@@ -45,31 +49,29 @@ def _shard_size(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The two sub-commands and their flags (Megatron-LM and vLLM spellings accepted as aliases)."""
-    from megatron_jf import cli
     from megatron_jf.hf_io import DEFAULT_MAX_SHARD_SIZE
 
     p = cli.parser(__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("hf-to-mcore", help="HF directory -> megatron-core distributed checkpoint",
                        formatter_class=cli.HelpFormatter, description=__doc__, allow_abbrev=False)
-    a.add_argument("--load", "--hf", dest="load", required=True, metavar="HF_DIR",
-                   help="input HF checkpoint directory: config.json + safetensors + tokenizer (required)")
-    a.add_argument("--out", "--save", dest="out", required=True, metavar="CKPT_DIR",
-                   help="output megatron checkpoint directory (required)")
-    a.add_argument(*cli.TP_FLAGS, dest="tp", type=cli.positive_int, default=1, help="target tensor-parallel size")
-    a.add_argument(*cli.PP_FLAGS, dest="pp", type=cli.positive_int, default=1, help="target pipeline-parallel size")
-    a.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    cli.LOAD.add(a, aliases=("--hf",), required=True, metavar="HF_DIR",
+                 help="input HF checkpoint directory: config.json + safetensors + tokenizer (required)")
+    cli.OUT.add(a, aliases=("--save",), required=True, metavar="CKPT_DIR",
+                help="output megatron checkpoint directory (required)")
+    cli.TP.add(a, help="target tensor-parallel size")
+    cli.PP.add(a, help="target pipeline-parallel size")
+    OVERWRITE.add(a)
     b = sub.add_parser("mcore-to-hf", help="megatron-core checkpoint -> HF directory",
                        formatter_class=cli.HelpFormatter, description=__doc__, allow_abbrev=False)
     cli.add_load_arg(b, help="input megatron checkpoint directory, this project's or Megatron-LM's (required)")
     b.add_argument("--iteration", type=int, default=None,
                    help="iteration to export (default: the latest, as latest_checkpointed_iteration.txt names)")
-    b.add_argument("--out", "--hf", dest="out", required=True, metavar="HF_DIR",
-                   help="output HF directory (required)")
+    cli.OUT.add(b, aliases=("--hf",), required=True, metavar="HF_DIR", help="output HF directory (required)")
     b.add_argument("--max-shard-size", type=_shard_size, default=DEFAULT_MAX_SHARD_SIZE,
                    help="largest safetensors shard, as save_pretrained's max_shard_size: bytes or a number with "
                         "KB/MB/GB/TB (decimal units)")
-    b.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    OVERWRITE.add(b)
     return p
 
 
@@ -157,8 +159,6 @@ def mcore_to_hf_cmd(args) -> int:
 
 def main(argv=None) -> int:
     """``tools/convert_hf.py`` / ``jf convert``; returns the exit status (:mod:`megatron_jf.commands`)."""
-    from megatron_jf import cli
-
     argv = list(sys.argv[1:] if argv is None else argv)
     args, status = cli.parse_or_status(build_parser(), argv)
     if args is None:

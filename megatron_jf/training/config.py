@@ -65,7 +65,7 @@ class ParallelConfig:
 
     tp: int = cli_field(1, option="TP")
     """Tensor-parallel size."""
-    pp: int = cli_field(1, *cli.PP_FLAGS[1:])
+    pp: int = cli_field(1, option="PP")
     """Pipeline-parallel size (data-parallel size = world / (tp * pp))."""
     use_megatron_optimizer: bool | None = None
     """megatron DDP + optimizer (GPU path); default: on iff CUDA is available."""
