@@ -524,6 +524,15 @@ def _kind(annotation, module) -> tuple[type, bool, bool]:
     return names[t], False, optional
 
 
+def field_default(f: dataclasses.Field):
+    """A dataclass field's default (its factory called), or None when it has none (a required field)."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
 def add_dataclass_arguments(group, cls, *, only: typing.Sequence[str] | None = None, skip: typing.Sequence[str] = (),
                             choices: typing.Mapping[str, typing.Sequence] | None = None,
                             defaults: typing.Mapping[str, object] | None = None,
@@ -584,12 +593,7 @@ def add_dataclass_arguments(group, cls, *, only: typing.Sequence[str] | None = N
         doc = (helps or {}).get(f.name) or docs.get(f.name)
         if not doc:
             raise ValueError(f"{cls.__name__}.{f.name} has no docstring: it is the flag's --help")
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-        else:
-            default = None
+        default = field_default(f)
         default = (defaults or {}).get(f.name, default)
         kind, is_list, _ = _kind(f.type, module)
         kw: dict = {"dest": prefix.replace("-", "_") + f.name, "default": default, "help": help_text(doc, module)}
@@ -676,12 +680,7 @@ def to_argv(cfg, *, defaults: bool = False, prefix: str = "") -> list[str]:
             argv += to_argv(v, defaults=defaults, prefix=prefix)
             continue
         meta = f.metadata.get("cli", {})
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-        else:
-            default = None
+        default = field_default(f)
         required = bool(meta.get("required"))
         if v == default and type(v) is type(default) and not required and not defaults:
             continue
