@@ -3,7 +3,7 @@
 
 The same shape as Megatron-LM's ``pretrain_gpt.py``: a model provider, a ``forward_step`` returning
 ``(output, partial(loss_func, ...))``, a datasets provider, and :func:`megatron_jf.training.trainer.pretrain`
--- with one :class:`~megatron_jf.training.trainer.TrainConfig` passed explicitly instead of global args.
+-- with one :class:`~megatron_jf.training.config.TrainConfig` passed explicitly instead of global args.
 
 Examples (CPU, 2 processes; add ``--tp``/``--pp`` to split the model)::
 

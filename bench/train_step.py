@@ -134,7 +134,8 @@ def main(argv=None):
     from megatron_jf.models.hf_config import ModelArgs
     from megatron_jf.models.zoo import tiny_hf_config
     from megatron_jf.training.attention_paths import build_jf_batch, jf_forward
-    from megatron_jf.training.losses import JFObjective, ar_loss, jf_loss, loss_temporary_bytes
+    from megatron_jf.training.config import JFObjective
+    from megatron_jf.training.losses import ar_loss, jf_loss, loss_temporary_bytes
     from megatron_jf.training.memstats import peak_bytes
     from megatron_jf.training.output_head import forward_loss_rows, head_loss, output_weight
 

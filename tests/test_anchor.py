@@ -41,7 +41,7 @@ def work(tmp_path_factory, mp1):
 
 
 def _cfg(work, **over):
-    from megatron_jf.training.trainer import TrainConfig
+    from megatron_jf.training.config import TrainConfig
 
     kw = dict(hf_config=os.path.join(work, "hf"), data=[os.path.join(work, "train")], block_size=4, window_size=2,
               train_steps=2, micro_batch_size=2, global_batch_size=2, lr=2e-3, warmup_steps=0, log_interval=100,
@@ -156,7 +156,7 @@ def test_training_with_anchor_reports_it(work, tmp_path):
      "needs --objective jf"),
 ])
 def test_bad_anchor_flags(extra, exc, match):
-    from megatron_jf.training.trainer import parse_config
+    from megatron_jf.training.config import parse_config
 
     with pytest.raises(exc, match=match):
         parse_config(["--hf-config", "h", "--data", "d", "--block-size", "4", "--train-steps", "1", *extra])
@@ -188,7 +188,8 @@ def test_resume_after_kill_with_anchor_matches_uninterrupted_run(work):
     every 2 steps, so the checkpoint at step 4 holds a non-trivial (epoch, consumed) position."""
     import pretrain_jf
     from megatron_jf import checkpointing
-    from megatron_jf.training.trainer import Trainer, parse_config
+    from megatron_jf.training.trainer import Trainer
+    from megatron_jf.training.config import parse_config
     from test_training import _run_cli
 
     save = os.path.join(work, "ckpt")

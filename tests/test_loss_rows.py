@@ -93,7 +93,7 @@ def models(mp1):
 ])
 def test_loss_rows_equal_full_rows(models, path, kind, norm, chunk):
     from megatron_jf.training.attention_paths import build_jf_batch
-    from megatron_jf.training.losses import JFObjective
+    from megatron_jf.training.config import JFObjective
 
     model, args = models["untied"]
     cfg = JFObjective(consistency_loss=kind, kl_temperature=1.5 if kind == "soft_ce" else 1.0, pc_normalization=norm,
@@ -112,7 +112,7 @@ def test_loss_rows_tied_weights_with_anchor_rows(models):
     """Tied output weight (gradient from the embedding and the output layer) and anchor CE rows."""
     from megatron_jf.data.text import TextBatch
     from megatron_jf.training.attention_paths import append_anchor_rows, build_jf_batch
-    from megatron_jf.training.losses import JFObjective
+    from megatron_jf.training.config import JFObjective
 
     model, args = models["tied"]
     g = torch.Generator().manual_seed(4)

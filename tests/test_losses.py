@@ -85,7 +85,8 @@ def _hand_batch(seed=0, V=37, pad=3):
     ("hard", "paper", 1.0, 2.0, 1.0),
 ])
 def test_loss_equals_definition(mp1, kind, norm, tau, pc_w, ar_w):
-    from megatron_jf.training.losses import JFLossInputs, JFObjective, jf_loss
+    from megatron_jf.training.config import JFObjective
+    from megatron_jf.training.losses import JFLossInputs, jf_loss
 
     h = _hand_batch()
     V = h["V"]
@@ -133,7 +134,7 @@ def test_kl_is_zero_iff_distributions_match(mp1):
 
 
 def test_jf_objective_rejects_bad_loss_values():
-    from megatron_jf.training.losses import JFObjective
+    from megatron_jf.training.config import JFObjective
 
     for kw in ({"consistency_loss": "mse"}, {"pc_normalization": "x"}, {"kl_temperature": 0.0}, {"ar_weight": -1.0}):
         with pytest.raises(ValueError):
@@ -207,7 +208,8 @@ def test_model_loss_equals_definition_from_causal_streams(tiny, path):
     forwards per sample (student = noisy stream at response token r, teacher = clean stream at r, both
     predicting response[r+1]; AR = clean stream from the last prompt token)."""
     from megatron_jf.training.attention_paths import build_jf_batch, jf_forward
-    from megatron_jf.training.losses import JFObjective, jf_loss
+    from megatron_jf.training.config import JFObjective
+    from megatron_jf.training.losses import jf_loss
 
     model, args = tiny
     recs = _records()

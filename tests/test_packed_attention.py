@@ -171,7 +171,8 @@ def test_packed_logits_equal_two_stream_dense_and_causal(tiny):
 def test_packed_loss_and_grads_equal_two_stream(mp1):
     """One training forward/backward: loss and every parameter gradient equal the two-stream path."""
     from megatron_jf.training.attention_paths import build_jf_batch, jf_forward
-    from megatron_jf.training.losses import JFObjective, jf_loss
+    from megatron_jf.training.config import JFObjective
+    from megatron_jf.training.losses import jf_loss
 
     model, _ = tiny_mcore_model(seed=5)
     model.train()
@@ -252,7 +253,8 @@ def test_packed_other_masks_equal_dense(tiny, mask):
 
 def test_packed_nc_ic_loss_and_grads_equal_dense(mp1):
     from megatron_jf.training.attention_paths import build_jf_batch, jf_forward
-    from megatron_jf.training.losses import JFObjective, jf_loss
+    from megatron_jf.training.config import JFObjective
+    from megatron_jf.training.losses import jf_loss
 
     model, _ = tiny_mcore_model(seed=6)
     model.train()
@@ -399,7 +401,8 @@ def test_trainer_packed_path_matches_two_stream(mp1, tmp_path):
 
     import pretrain_jf
     from megatron_jf.models.zoo import save_tiny_hf
-    from megatron_jf.training.trainer import Trainer, TrainConfig
+    from megatron_jf.training.trainer import Trainer
+    from megatron_jf.training.config import TrainConfig
     from train_fixtures import hf_weights_provider, write_shards
 
     d = str(tmp_path)

@@ -62,14 +62,6 @@ def test_from_flat_and_old_flat_checkpoint_config_load():
         C.TrainConfig.from_flat(bogus=1)
 
 
-def test_the_trainer_saves_the_nested_config():
-    import inspect
-
-    from megatron_jf.training import trainer
-
-    assert '"config": self.cfg.to_json()' in inspect.getsource(trainer.Trainer._common)
-
-
 # ----------------------------------------------------------------------------- to_argv
 @pytest.mark.parametrize("argv", [
     BASE,

@@ -56,7 +56,8 @@ def _trainer(cfg, work):
 def _cli_trainer(argv):
     """A Trainer built exactly as ``pretrain_jf.py ARGV`` builds it (random init or --load)."""
     import pretrain_jf
-    from megatron_jf.training.trainer import Trainer, parse_config
+    from megatron_jf.training.trainer import Trainer
+    from megatron_jf.training.config import parse_config
 
     cfg = parse_config(argv)
     return Trainer(cfg, pretrain_jf.model_provider, partial(pretrain_jf.forward_step, cfg=cfg),
@@ -202,7 +203,7 @@ def test_pretrain_frees_its_model_before_returning(work):
 
 
 def test_lr_schedule_warmup_then_cosine():
-    from megatron_jf.training.trainer import TrainConfig, lr_at
+    from megatron_jf.training.config import TrainConfig, lr_at
 
     cfg = TrainConfig.from_flat(data=["x"], block_size=4, train_steps=100, warmup_steps=10, lr=1e-3, min_lr=1e-4,
                                 hf_config="x")
@@ -280,7 +281,7 @@ def killed_and_resumed(work):
 
 
 def test_resume_after_kill_matches_uninterrupted_run(work, killed_and_resumed):
-    from megatron_jf.training.trainer import parse_config
+    from megatron_jf.training.config import parse_config
 
     save, killed, resumed = killed_and_resumed
     assert sorted(killed) == [1, 2, 3, 4, 5] and sorted(resumed) == [5, 6]
@@ -337,7 +338,7 @@ def test_load_initialises_weights_and_rejects_other_architectures(work, killed_a
 
 # ----------------------------------------------------------------------------- bad input
 def test_unknown_option_is_an_argparse_error(capsys):
-    from megatron_jf.training.trainer import parse_config
+    from megatron_jf.training.config import parse_config
 
     with pytest.raises(SystemExit):
         parse_config(["--data", "x", "--train-steps", "1", "--bogus-flag"])
@@ -419,7 +420,7 @@ def test_bad_data(work, tmp_path):
 def test_cli_reports_bad_input_as_one_line(work):
     rc, out, err = _run_cli(["--hf-config", os.path.join(work, "hf"), "--data", os.path.join(work, "train"),
                              "--train-steps", "1", "--block-size", "8", "--no-progress"], timeout=120)
-    assert rc == 1 and "pretrain_jf.py: error:" in err and "block_size 4 != requested block_size 8" in err
+    assert rc == 2 and "pretrain_jf.py: error:" in err and "block_size 4 != requested block_size 8" in err
     assert "Traceback" not in err
 
 
@@ -436,6 +437,10 @@ def test_saved_checkpoint_carries_the_tokenizer(work, tmp_path):
     tr.train()
     assert checkpointing.latest_iteration(save) == 1
     assert checkpointing.tokenizer_path(save) is not None
+    from megatron_jf.training.config import TrainConfig
+
+    saved = checkpointing.read_meta(save)["common"]["config"]  # the nested config, read back whole
+    assert "optim" in saved and TrainConfig.from_json(saved) == tr.cfg
     a, b = load_tokenizer(checkpointing.tokenizer_path(src)), load_tokenizer(checkpointing.tokenizer_path(save))
     text = "def add(a, b):\n    return a + b\n"
     assert b.encode(text) == a.encode(text) and b.eos_ids == a.eos_ids

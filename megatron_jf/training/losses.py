@@ -65,15 +65,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-# the option values and their dataclass live with the command line (torch-free: pretrain_jf.py validates its
-# arguments before importing torch); re-exported here
-from megatron_jf.training.config import CONSISTENCY_LOSSES, PC_NORMALIZATIONS, JFObjective  # noqa: F401
+from megatron_jf.training.config import CONSISTENCY_LOSSES, JFObjective
 
 __all__ = [
     "IGNORE_INDEX",
-    "CONSISTENCY_LOSSES",
-    "PC_NORMALIZATIONS",
-    "JFObjective",
     "JFLossInputs",
     "vocab_shard_range",
     "mask_vocab_padding",

@@ -29,7 +29,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_jf.training.losses import DEFAULT_LOSS_CHUNK, JFObjective, jf_head_loss
+from megatron_jf.training.config import JFObjective
+from megatron_jf.training.losses import DEFAULT_LOSS_CHUNK, jf_head_loss
 
 __all__ = ["loss_row_index", "output_weight", "select_rows", "run_forward_pre_hooks", "forward_loss_rows", "head_loss"]
 

@@ -7,8 +7,7 @@ calls :func:`pretrain` with a :class:`TrainConfig` (no global mutable arguments)
 Where things live: the options and the LR schedule in :mod:`megatron_jf.training.config`, the data streams
 in :mod:`megatron_jf.training.streams`, parameter groups / clipping / DP averaging in
 :mod:`megatron_jf.training.optim`, the losses in :mod:`megatron_jf.training.losses`, the model inputs of the
-attention paths in :mod:`megatron_jf.training.attention_paths`; this module is the loop (the names above are
-re-exported here).
+attention paths in :mod:`megatron_jf.training.attention_paths`; this module is the loop.
 
 What a step does
     ``get_forward_backward_func()`` (megatron-core: no pipelining, or 1F1B over ``--pp`` stages) runs
@@ -80,19 +79,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_jf import parallel, platform
-from megatron_jf.training.config import (  # noqa: F401  (re-exported: the CLI and config used to live here)
-    ATTENTION_PATHS,
-    CONSISTENCY_POSITIONS,
-    MASKS,
-    NOISE_SCHEDULES,
-    OBJECTIVES,
-    PRECISIONS,
-    TrainConfig,
-    build_parser,
-    effective_seq_length,
-    lr_at,
-    parse_config,
-)
+from megatron_jf.training.config import TrainConfig, effective_seq_length, lr_at
 from megatron_jf.training.losses import ANCHOR_METRIC, METRIC_KEYS
 from megatron_jf.training.optim import (
     all_reduce_grads,
@@ -105,19 +92,7 @@ from megatron_jf.training.optim import (
 )
 from megatron_jf.training.streams import AnchoredStream, DatasetSpec, MicrobatchStream, eval_batches
 
-__all__ = [
-    "TrainConfig",
-    "DatasetSpec",
-    "MicrobatchStream",
-    "AnchoredStream",
-    "Trainer",
-    "build_parser",
-    "parse_config",
-    "pretrain",
-    "lr_at",
-    "clip_grad_norm_tp",
-    "effective_seq_length",
-]
+__all__ = ["Trainer", "pretrain"]
 
 class Trainer:
     """Owns model, optimizer, data streams and checkpoints of one run (see the module docstring).

@@ -26,7 +26,7 @@ def run(overlap: bool, hf, rank: int, dp: int):
     from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 
     from megatron_jf.training.config import parse_config
-    from megatron_jf.training.losses import JFObjective
+    from megatron_jf.training.config import JFObjective
     from megatron_jf.training.optim import megatron_ddp_config
     from megatron_jf.training.output_head import forward_loss_rows, head_loss, output_weight
     from loss_rows_tp import batch_for, build

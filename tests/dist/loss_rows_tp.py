@@ -82,7 +82,7 @@ def step(model, args, batch, cfg, head):
 def main():
     from megatron_jf import parallel
     from megatron_jf.models.zoo import tiny_hf_model
-    from megatron_jf.training.losses import JFObjective
+    from megatron_jf.training.config import JFObjective
 
     hf = tiny_hf_model("qwen2", seed=9, vocab=VOCAB, layers=2)
     parallel.initialize(1, 1)

@@ -113,7 +113,7 @@ PARALLEL_CONFIGS = {
 
 def parallel_config(work: str, name: str, **over):
     """The TrainConfig of one parallel-equivalence run (3 steps, 2 samples per step, clipping active)."""
-    from megatron_jf.training.trainer import TrainConfig
+    from megatron_jf.training.config import TrainConfig
 
     kw = dict(hf_config=os.path.join(work, "hf"), data=[os.path.join(work, "train")], block_size=4, window_size=2,
               train_steps=3, micro_batch_size=1, global_batch_size=2, lr=2e-3, warmup_steps=0, clip_grad=0.05,
