@@ -62,8 +62,10 @@ def config_from_args(a: argparse.Namespace):
     """Map parsed arguments to :class:`megatron_jf.eval.harness.EvalConfig`."""
     from megatron_jf.eval.harness import EvalConfig
 
-    decode = {k: v for k, v in cli.decode_kwargs(a).items() if k != "decoder"}
-    return EvalConfig(load=a.load, benchmark=a.benchmark, decoder=a.decoder, decode=decode, data=a.benchmark_data,
+    from megatron_jf.eval.harness import decode_config_from
+
+    decode = decode_config_from(a.decoder, **{k: v for k, v in cli.decode_kwargs(a).items() if k != "decoder"})
+    return EvalConfig(load=a.load, benchmark=a.benchmark, decode=decode, data=a.benchmark_data,
                       limit=a.limit, max_new_tokens=a.max_new_tokens, batch_size=a.batch_size,
                       prompt_mode=a.prompt_mode, prompt_set=a.prompt_set, out_dir=a.out, tokenizer=a.tokenizer,
                       threads=a.threads, tp=a.tp, seed=a.seed, strict_lossless=not a.allow_mismatch,

@@ -64,7 +64,8 @@ def main(argv=None) -> int:
 
 def _search(a) -> int:
     from megatron_jf.eval.benchmarks import load_benchmark
-    from megatron_jf.eval.harness import ChatTemplateAdapter, HarnessError, atomic_write_text, decode_config_from
+    from megatron_jf.eval.harness import ChatTemplateAdapter, HarnessError, decode_config_from
+    from megatron_jf.fileio import atomic_write_text
     from megatron_jf.eval.prompts import prompt_info, render_prompt
     from megatron_jf.eval.search import plot_surface, search
     from megatron_jf.inference.llm import LLM

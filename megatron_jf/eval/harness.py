@@ -27,11 +27,11 @@ atomically (temporary file + ``os.replace``).
 
 from __future__ import annotations
 
-from megatron_jf.fileio import atomic_write_bytes, atomic_write_text  # noqa: F401  (re-exported)
-from megatron_jf.inference.metrics import percentile  # noqa: F401  (re-exported)
+from megatron_jf.decoding import DecodeConfig
+from megatron_jf.fileio import atomic_write_text
 from megatron_jf.inference.llm import LLM
+from megatron_jf.inference.metrics import percentile
 from megatron_jf.inference.options import InferenceOptions
-from megatron_jf.load_errors import CheckpointNotFound, TokenizerNotFound  # noqa: F401  (re-exported)
 
 import hashlib
 import json
@@ -50,17 +50,12 @@ from .speed import run_batch, warm_up
 
 __all__ = [
     "ChatTemplateAdapter",
-    "CheckpointNotFound",
     "EvalConfig",
     "HarnessError",
     "LosslessViolation",
     "ResumeMismatch",
-    "TokenizerNotFound",
-    "atomic_write_bytes",
-    "atomic_write_text",
     "decode_config_from",
     "markdown_table",
-    "percentile",
     "run_evaluation",
     "summarize_records",
 ]
@@ -81,7 +76,7 @@ class LosslessViolation(AssertionError):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# small utilities (atomic writes live in megatron_jf.fileio; re-exported here)
+# small utilities
 
 
 def decode_config_from(decoder: str, **kw: Any):
@@ -110,9 +105,8 @@ class EvalConfig:
         load: checkpoint directory.
         benchmark: one of :data:`~megatron_jf.eval.benchmarks.BENCHMARKS` (with ``data``: the default benchmark of
             its lines).
-        decoder: ``jacobi``, ``running-window``, ``mr`` (or ``ar``: then only AR runs, speedup 1).
-        decode: extra :class:`DecodeConfig` fields (block_size, num_blocks, spawn_threshold, verification_size,
-            ngram_pool_size, draft_init).
+        decode: the decoder's :class:`~megatron_jf.decoding.DecodeConfig` (``jacobi``, ``running-window``, ``mr``;
+            or ``ar``: then only AR runs, speedup 1); :attr:`decoder` is its name.
         data: local JSONL problems (``--data``) instead of the packaged benchmark.
         limit: first ``limit`` problems (None: all).
         max_new_tokens: generation cap per sample, tokens.
@@ -143,8 +137,7 @@ class EvalConfig:
 
     load: str
     benchmark: Optional[str]
-    decoder: str = "jacobi"
-    decode: dict = field(default_factory=dict)
+    decode: DecodeConfig = field(default_factory=lambda: DecodeConfig("jacobi"))
     data: Optional[str] = None
     limit: Optional[int] = None
     max_new_tokens: int = 256
@@ -179,7 +172,6 @@ class EvalConfig:
             raise HarnessError(f"unknown benchmark {self.benchmark!r}; choose one of {', '.join(BENCHMARKS)}")
         if self.data is not None and not os.path.isfile(self.data):
             raise FileNotFoundError(f"--data file does not exist: {self.data}")
-        decode_config_from(self.decoder, **self.decode)
         if self.prompt_mode not in ("chat", "raw"):
             raise HarnessError(f"prompt mode must be 'chat' or 'raw', got {self.prompt_mode!r}")
         for name in ("max_new_tokens", "batch_size", "tp"):
@@ -201,6 +193,11 @@ class EvalConfig:
                 params_dtype(self.params_dtype)
             except ValueError as e:
                 raise HarnessError(str(e)) from None
+
+    @property
+    def decoder(self) -> str:
+        """The decoder's name (``decode.decoder``)."""
+        return self.decode.decoder
 
     @property
     def stem(self) -> str:
@@ -361,13 +358,14 @@ def run_evaluation(cfg: EvalConfig, *, loaded: Optional[LLM] = None,
         The summary dict (also written to ``{out_dir}/{stem}.summary.json``) with ``paths`` to the outputs.
 
     Raises:
-        HarnessError, CheckpointNotFound, TokenizerNotFound, FileNotFoundError: bad inputs (before any work).
+        HarnessError, FileNotFoundError (CheckpointNotFound, TokenizerNotFound of :mod:`megatron_jf.load_errors`):
+            bad inputs (before any work).
         ResumeMismatch: the output JSONL holds records of a different configuration.
         LosslessViolation: (``strict_lossless``) some greedy decoder output differs from AR; raised after all
             outputs are written.
     """
     cfg.validate()
-    dec_cfg = decode_config_from(cfg.decoder, **cfg.decode)
+    dec_cfg = cfg.decode
     ar_cfg = decode_config_from("ar")
     if loaded is None:
         loaded = LLM.from_checkpoint(cfg.load, tokenizer=cfg.tokenizer, tp=cfg.tp, seed=cfg.seed,

@@ -77,7 +77,7 @@ def plot_surface(points: Sequence[dict], fit: Optional[dict], path: str, title: 
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from megatron_jf.eval.harness import atomic_write_bytes as _atomic_bytes
+    from megatron_jf.fileio import atomic_write_bytes as _atomic_bytes
 
     xs = np.array([math.log2(p["block_size"]) for p in points])
     vs = np.array([p["verification_size"] for p in points], dtype=float)

@@ -71,7 +71,7 @@ def trajectory_rows(blocks: Sequence[dict], min_run: int = 3) -> list[dict[str, 
 
 
 def _atomic_bytes(path: str, data: bytes) -> None:
-    from megatron_jf.eval.harness import atomic_write_bytes
+    from megatron_jf.fileio import atomic_write_bytes
 
     atomic_write_bytes(path, data)
 
