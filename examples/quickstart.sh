@@ -13,4 +13,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-exec .venv/bin/python -m recipes.quickstart "$@"
+exec "${PYTHON:-.venv/bin/python}" -m recipes.quickstart "$@"

@@ -60,4 +60,4 @@ def test_tool_files_run_their_command_and_the_console_script_is_installed(tmp_pa
         pytest.skip("the jf console script is not installed in this environment (pip install -e .)")
     proc = subprocess.run([jf, "generate", "--load", str(tmp_path / "nope"), "--prompt", "hi"], capture_output=True,
                           text=True, env=env, timeout=120)
-    assert proc.returncode == 2 and proc.stderr.strip().startswith("generate: error: "), proc.stderr[-2000:]
+    assert proc.returncode == 2 and proc.stderr.strip().startswith("jf generate: error: "), proc.stderr[-2000:]

@@ -131,7 +131,7 @@ def test_evaluate_bad_inputs(ckpt, tmp_path, capsys):
     assert ev.main(args) == 2
     assert "unknown decoder 'medusa'" in capsys.readouterr().err
     assert ev.main(_eval_args(str(tmp_path / "missing"), tmp_path, "gsm8k")) == 2
-    assert "checkpoint directory does not exist" in capsys.readouterr().err
+    assert f"checkpoint directory not found: {tmp_path / 'missing'} (--load)" in capsys.readouterr().err
     assert ev.main(_eval_args(str(tmp_path), tmp_path, "gsm8k")) == 2  # exists, but no checkpoint inside
     assert "holds no megatron_jf checkpoint" in capsys.readouterr().err
 

@@ -71,8 +71,9 @@ def test_load_mistakes_are_named(tiny, tmp_path):
         LLM.from_checkpoint(str(tmp_path / "empty"))
     with pytest.raises(HFDirectoryError, match="hf-to-mcore"):
         LLM.from_checkpoint(os.path.join(root, "hf"))
-    with pytest.raises(TokenizerNotFound, match="does not exist"):
+    with pytest.raises(TokenizerNotFound) as e:  # the checkpoint has a tokenizer: the message names the flag's path
         LLM.from_checkpoint(ck, tokenizer=str(tmp_path / "no-tok"))
+    assert str(e.value) == f"tokenizer does not exist: {tmp_path / 'no-tok'} (--tokenizer)"
     window = LLM.from_checkpoint(ck).model_args.max_position_embeddings
     with pytest.raises(ValueError, match=f"context window of {window}"):
         LLM.from_checkpoint(ck, max_context=window + 1)

@@ -63,6 +63,8 @@ def run(name: str, body: Callable[[], int | None], input_errors: tuple = ()) -> 
     """
     from megatron_jf.load_errors import CheckpointFileError, CheckpointNotFound, HFDirectoryError, TokenizerNotFound
 
+    if sys.argv[0].startswith("jf "):  # under the jf dispatcher: the command as typed
+        name = sys.argv[0]
     bad_input = (InputError, CheckpointNotFound, TokenizerNotFound, HFDirectoryError, CheckpointFileError,
                  FileNotFoundError, *input_errors)
     try:

@@ -83,10 +83,10 @@ def main(argv=None) -> int:
         return status
     from megatron_jf.eval.benchmarks import BenchmarkDataError, MissingBenchmarkPackage
     from megatron_jf.eval.harness import HarnessError, ResumeMismatch, run_evaluation
-    from megatron_jf.load_errors import reject_hf_dir
+    from megatron_jf.load_errors import check_load_dir
 
     def body() -> None:
-        reject_hf_dir(a.load)
+        check_load_dir(a.load)
         cfg = config_from_args(a)
         cfg.validate()
         run_evaluation(cfg)

@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "mismatch that is highlighted as stationary")
     p.add_argument("--max-png-rows", type=int, default=200, help="most iteration rows drawn in the PNG")
     cli.OUT.add(p, required=True, help="output prefix (writes PREFIX.html and PREFIX.png)")
+    cli.add_threads_arg(p)
     cli.add_inference_args(p)
     return p
 
@@ -65,6 +66,7 @@ def main(argv=None) -> int:
 
 
 def _visualize(a) -> int:
+    cli.set_threads(a.threads)
     from megatron_jf.eval.trajectory_view import blocks_from_record, live_trajectory, visualize
 
     if a.shard:

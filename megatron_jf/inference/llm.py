@@ -93,10 +93,12 @@ class LLM:
         if it is None:
             raise CheckpointNotFound(f"{ckpt_dir} holds no megatron_jf checkpoint (no iter_* with jf_meta.json); "
                                      "convert an HF model with tools/convert_hf.py hf-to-mcore")
+        if tokenizer is not None and not os.path.exists(tokenizer):
+            raise TokenizerNotFound(f"tokenizer does not exist: {tokenizer} (--tokenizer)")
         tok_dir = tokenizer or tokenizer_path(ckpt_dir)
-        if tok_dir is None or not os.path.exists(tok_dir):
+        if tok_dir is None:
             raise TokenizerNotFound(f"no tokenizer: {ckpt_dir} carries none (no tokenizer/ folder) and --tokenizer "
-                                    f"{'was not given' if tokenizer is None else 'does not exist: ' + tokenizer}")
+                                    "was not given")
         if threads:
             torch.set_num_threads(int(threads))
         parallel.initialize(tp, 1)

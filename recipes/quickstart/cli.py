@@ -49,7 +49,8 @@ def _check_resume(out: Path, preset: Preset) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``bash examples/quickstart.sh`` (``python -m recipes.quickstart``)."""
     ap = argparse.ArgumentParser(
-        description=pipeline.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m recipes.quickstart", description=pipeline.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"CI's figures: CI runs `--smoke --threads 1` with the CPU kernels pinned to AVX2 ({pin_command()}, "
                "megatron_jf/cpu_numerics.py) and compares them with tests/fixtures/quickstart_smoke_golden.json "
                "(AMD CPUs) or quickstart_smoke_golden.GenuineIntel.json (Intel CPUs: the two vendors' kernels round "

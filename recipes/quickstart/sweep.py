@@ -253,7 +253,8 @@ def sweep_markdown(rows: list[dict], preset) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m recipes.quickstart.sweep``."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m recipes.quickstart.sweep", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--from", dest="src", required=True, help="a quickstart work directory past its traj2 stage")
     ap.add_argument("--out", dest="sweep_dir", required=True, help="sweep directory (one sub-directory per run)")
     ap.add_argument("--run", action="append", required=True, help="key=value[,key=value]: lr, ar, anchor, steps")
