@@ -41,8 +41,8 @@ import shutil
 import warnings
 
 import torch
-import torch.distributed as dist
 
+from megatron_jf import parallel
 from megatron_jf.fileio import atomic_write_text
 from megatron_jf.load_errors import CheckpointFileError
 from megatron_jf.models.hf_config import ModelArgs
@@ -404,15 +404,6 @@ def _load_sharded(state: dict, path: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------- save / load
-def _rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _barrier():
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def remove_stale_tmp(ckpt_dir: str) -> list[str]:
     """Delete the ``iter_*.tmp`` (and ``release.tmp`` / ``tokenizer.tmp``) directories a killed save left.
 
@@ -488,14 +479,14 @@ def save_checkpoint(ckpt_dir: str, iteration: int, model, *, sharded_extra: dict
     final = iter_dir(ckpt_dir, iteration)
     tmp = final + ".tmp"
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-    if _rank0():
+    if parallel.is_rank0():
         os.makedirs(ckpt_dir, exist_ok=True)
         remove_stale_tmp(ckpt_dir)
         os.makedirs(tmp)
         if (tokenizer_dir and not os.path.isdir(os.path.join(ckpt_dir, "tokenizer"))
                 and any(os.path.isfile(os.path.join(tokenizer_dir, n)) for n in TOKENIZER_FILES[:-1])):
             copy_tokenizer_files(tokenizer_dir, os.path.join(ckpt_dir, "tokenizer"))
-    _barrier()
+    parallel.barrier()
     dtype = next(m.parameters()).dtype
     tok = os.path.join(os.path.abspath(ckpt_dir), "tokenizer")
     state = {
@@ -509,8 +500,8 @@ def save_checkpoint(ckpt_dir: str, iteration: int, model, *, sharded_extra: dict
     state.update(sharded_extra or {})
     with _sync_results_queue():
         dist_checkpointing.save(state, tmp)
-    _barrier()
-    if _rank0():
+    parallel.barrier()
+    if parallel.is_rank0():
         meta = {
             "format": FORMAT,
             "iteration": iteration,
@@ -533,7 +524,7 @@ def save_checkpoint(ckpt_dir: str, iteration: int, model, *, sharded_extra: dict
                          if d.startswith("iter_") and d[5:].isdigit())
             for old in its[:-keep_last]:
                 shutil.rmtree(iter_dir(ckpt_dir, old), ignore_errors=True)
-    _barrier()
+    parallel.barrier()
     return final
 
 

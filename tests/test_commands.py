@@ -39,7 +39,7 @@ def test_run_maps_each_fault_to_its_exit_status(capsys):
 
 
 def test_jf_dispatches_to_every_command_and_refuses_unknown_ones(capsys):
-    assert set(TOOL_COMMANDS.values()) == set(commands.COMMANDS.values())
+    assert set(TOOL_COMMANDS.values()) == set(commands.COMMANDS)
     assert commands.main(["nope"]) == 2
     assert "unknown command 'nope'" in capsys.readouterr().err
     assert commands.main([]) == 2 and commands.main(["--help"]) == 0

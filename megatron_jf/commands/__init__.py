@@ -40,9 +40,8 @@ from typing import Callable, Sequence
 EXIT_INPUT = 2
 #: exit status of a failed lossless check
 EXIT_LOSSLESS = 3
-#: ``jf`` subcommand -> module of :mod:`megatron_jf.commands`
-COMMANDS = {"convert": "convert", "generate": "generate", "collect": "collect", "evaluate": "evaluate",
-            "serve": "serve", "search": "search", "visualize": "visualize"}
+#: the ``jf`` subcommands, each a module of :mod:`megatron_jf.commands`
+COMMANDS = ("convert", "generate", "collect", "evaluate", "serve", "search", "visualize")
 
 
 class InputError(Exception):
@@ -91,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[0] not in COMMANDS:
         print(f"jf: error: unknown command {args[0]!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
         return EXIT_INPUT
-    module = importlib.import_module(f"megatron_jf.commands.{COMMANDS[args[0]]}")
+    module = importlib.import_module(f"megatron_jf.commands.{args[0]}")
     prog, sys.argv[0] = sys.argv[0], f"jf {args[0]}"  # argparse's usage line names the command
     try:
         return module.main(args[1:])
