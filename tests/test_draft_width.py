@@ -206,7 +206,8 @@ def test_step_calibration_outliers_and_lock_in():
 
 def test_step_calibration_backs_off_where_drafting_steps_emit_less_per_second():
     """SmolLM2 at batch 16 (measured): steps that drafted cost what the table said relative to AR steps, yet emitted
-    fewer tokens per second than the AR steps (the acceptance estimates were high): the penalty goes to its ceiling.
+    fewer tokens per second than the AR steps (the acceptance estimates were high): the penalty goes to its ceiling;
+    for one row, to its ratio times the shortfall.
     The rate is a ratio of sums -- most drafting steps emit 1-2 tokens and a few many, and a median of per-step rates
     would back off at batch 1 where drafting paid (1.25x AR)."""
     cal = StepCalibration(min_steps=3)
@@ -214,6 +215,17 @@ def test_step_calibration_backs_off_where_drafting_steps_emit_less_per_second():
         cal.record(16, False, 1.0, 1.0, tokens=16)  # 16 tokens/s
         cal.record(16, True, 1.2, 1.2, tokens=18)  # 15 tokens/s: drafting loses
     assert cal.penalty(16) == 4.0
+    # one row (SmolLM2, batch 1, Xeon): its drafting steps lost to its AR steps, a mix of weak drafts and strong
+    # ones -- priced up by the shortfall, not stopped: a strong draft still pays, a weak one no longer does
+    one = StepCalibration(min_steps=3)
+    for _ in range(5):
+        one.record(1, False, 1.0, 1.0, tokens=1)  # 1 token/s
+        one.record(1, True, 1.3, 1.3, tokens=1)  # 0.77 tokens/s
+    assert one.penalty(1) == pytest.approx(1.3)  # ratio 1 x shortfall 1.3
+    cost = _linear_cost(0.3)
+    assert choose_widths(cost, [RowDraft([0.9] * 4)], draft_penalty=one.penalty(1)) != [0]
+    assert choose_widths(cost, [RowDraft([0.4] * 4)]) != [0]
+    assert choose_widths(cost, [RowDraft([0.4] * 4)], draft_penalty=one.penalty(1)) == [0]
     pays = StepCalibration(min_steps=3)
     for _ in range(4):
         pays.record(1, False, 1.0, 1.0, tokens=1)

@@ -346,8 +346,11 @@ class StepCalibration:
     median observed-over-table. A median, not an average: a first call's allocations (SmolLM2's first drafting step
     took 3.8x its prediction, its first AR step 17x) or a step that waited for a shared core must not set it. Where
     the steps that drafted emitted fewer tokens per second than the AR steps (a ratio of sums over the windows: a
-    drafting step emits anything from 1 token to its whole draft), the penalty is its ceiling -- the acceptance
-    estimates (:class:`AcceptanceStats`) were too high for this batch, whatever the table says. And since a penalty
+    drafting step emits anything from 1 token to its whole draft), the penalty is its ceiling for a batch -- the
+    acceptance estimates (:class:`AcceptanceStats`) were too high for this batch, whatever the table says -- and for
+    a single row its ratio times the shortfall: one row's window mixes weak drafts with strong ones, and the
+    ceiling stopped the strong ones too (SmolLM2-135M, batch 1, Intel Xeon: 56 % of steps at the ceiling, TPF 1.43,
+    1.29x AR; priced by the shortfall, TPF 1.75, 1.36x AR; equal output). And since a penalty
     that made every later step AR could never be corrected by drafting steps, once the last drafting step is
     :attr:`stale_steps` AR steps old the penalty is 1 again until drafting steps are measured anew. Not from the
     paper (its widths are fixed, chosen offline in Appendix E): this is the on-line choice.
@@ -400,9 +403,10 @@ class StepCalibration:
 
     def penalty(self, rows: int) -> float:
         """The factor on a drafting forward at ``rows`` rows: median observed-over-table of drafting steps divided
-        by that of AR steps, clamped to :attr:`bounds`; the ceiling where drafting steps emitted fewer tokens per
-        second than AR steps; 1 until each kind has :attr:`min_steps` steps, and once the last drafting step is
-        :attr:`stale_steps` AR steps old."""
+        by that of AR steps, clamped to :attr:`bounds`; where drafting steps emitted fewer tokens per second than
+        AR steps, the ceiling for a batch, and for one row that ratio (at least 1) times the shortfall (AR steps'
+        rate over drafting steps'); 1 until each kind has :attr:`min_steps` steps, and once the last drafting step
+        is :attr:`stale_steps` AR steps old."""
         b = self.bucket(rows)
         d, a = (b, True), (b, False)
         if min(self._count.get(d, 0), self._count.get(a, 0)) < self.min_steps:
@@ -410,8 +414,15 @@ class StepCalibration:
         if self._since_draft.get(b, 0) >= self.stale_steps:
             return 1.0
         lo, hi = self.bounds
+        ratio = statistics.median(r for r, _, _ in self._steps[d]) / statistics.median(r for r, _, _ in self._steps[a])
         rd, ra = self._rate(d), self._rate(a)
         if rd is not None and ra is not None and rd < ra:
-            return hi  # the steps that drafted emitted fewer tokens per second than the AR steps: back off
-        ratio = statistics.median(r for r, _, _ in self._steps[d]) / statistics.median(r for r, _, _ in self._steps[a])
+            # the steps that drafted emitted fewer tokens per second than the AR steps. A batch's steps pool its
+            # rows: back off (the ceiling). One row's steps are one request's luck -- a window of weak drafts
+            # next to strong ones -- and the ceiling would stop its strong drafts too, with no drafting step left
+            # to refresh the window: price drafting up by the shortfall instead
+            if rows > 1:
+                return hi
+            ratio = max(ratio, 1.0) * ra / rd
         return min(hi, max(lo, ratio))
+
