@@ -212,88 +212,95 @@ def test_forward_cost_follows_the_thread_count(models, monkeypatch, tmp_path):
             for f in (tmp_path / "forward_cost").glob("*.json")} == {before, other}
 
 
-def test_packing_crossover_is_measured_kept_with_the_table_and_applied(models, monkeypatch, tmp_path):
-    """Before a model's first cost table on a CPU, the fp32 packing crossover is measured (both ways, interleaved),
-    set on the lean forward, stored with the table and applied again by a later engine reading the cache; the
-    choice minimises the measured time and moves off the default only for a real saving."""
+def test_product_kernels_are_measured_kept_with_the_table_and_applied(models, monkeypatch, tmp_path):
+    """Before a model's first cost table on a CPU, the fp32 products' kernels are measured per weight shape and row
+    count (every kernel, interleaved), set on the lean forward, stored with the table and applied again by a later
+    engine reading the cache; the choice is the fastest and moves off the default only for a real saving."""
     import json
 
     from megatron_jf.inference import cost_model
     from megatron_jf.inference.engine import Engine
-    from megatron_jf.inference.lean_forward import NEVER_PACKED, PACKED_ONE_ROW_MIN, lean_forward_for
+    from megatron_jf.inference.lean_forward import lean_forward_for
     from megatron_jf.models.gpt import unwrap
 
-    choose = cost_model.choose_packed_min_rows
-    flat = {2: 1.0, 4: 1.0, 8: 1.0}
-    assert choose(flat, {2: 0.5, 4: 0.5, 8: 0.5}) == NEVER_PACKED  # transposed faster everywhere
-    assert choose({2: 0.5, 4: 0.5, 8: 0.5}, flat) == 2  # packed faster everywhere: the default
-    assert choose({2: 1.0, 4: 0.6, 8: 0.6}, {2: 0.7, 4: 1.0, 8: 1.0}) == 4  # a crossover
-    assert choose(flat, {2: 0.995, 4: 0.995, 8: 0.995}) == 2  # within the noise: the default stays
-    with pytest.raises(ValueError, match="same row counts"):
-        choose(flat, {2: 1.0})
+    choose = cost_model.choose_kernels
+    t = {1: {"transposed": 1.0, "linear": 0.8, "packed": 1.2}, 2: {"transposed": 1.0, "linear": 0.9, "packed": 0.5},
+         4: {"transposed": 1.0, "linear": 0.99, "packed": 0.6}, 8: {"transposed": 1.0, "linear": 1.0, "packed": 0.995}}
+    default = {1: "transposed", 2: "packed", 4: "packed", 8: "packed"}
+    assert choose(t, default) == ((1, "linear"), (2, "packed"))  # faster where it saves; merged runs
+    assert choose(t, {1: "transposed", 2: "transposed", 4: "transposed", 8: "transposed"}) == (
+        (1, "linear"), (2, "packed"), (8, "transposed"))  # 8 rows: within the noise of the default, which stays
+    with pytest.raises(ValueError, match="not timed"):
+        choose({1: {"linear": 1.0}}, {1: "packed"})
+    with pytest.raises(ValueError, match="timings"):
+        choose({}, {})
 
     monkeypatch.setenv("MEGATRON_JF_COST_CACHE", str(tmp_path))
     _, eng = models["qwen2-random"]
     lean = lean_forward_for(unwrap(eng.model))
     if lean is None or not lean.packed:
         pytest.skip("no lean forward with oneDNN packing here")
-    monkeypatch.setattr(lean, "packed_min_rows", 2)
+    monkeypatch.setattr(lean, "kernels", {})
     seen = {}
 
-    def pick(packed, transposed, **kw):  # the real measurements, a forced choice (timings differ by machine)
-        seen.update(packed=packed, transposed=transposed)
-        return 4
+    def pick(timings, default, **kw):  # the real measurements, a forced choice (timings differ by machine)
+        seen[len(seen)] = timings
+        return ((1, "linear"), (4, "packed"))
 
-    monkeypatch.setattr(cost_model, "choose_packed_min_rows", pick)
+    monkeypatch.setattr(cost_model, "choose_kernels", pick)
     cost = Engine(eng.model).forward_cost(rows=1, max_tokens=8)
-    assert sorted(seen["packed"]) == sorted(seen["transposed"]) == [2, 4, 8]
-    assert all(t > 0 for t in seen["packed"].values())
-    assert lean.packed_min_rows == 4 and cost.about["packed_min_rows"] == 4
-    # no weight of this model is large enough for the one-row choice: the default is kept, and recorded
-    assert lean.packed_one_row_min == PACKED_ONE_ROW_MIN == cost.about["packed_one_row_min"]
+    shapes = set(lean.products())
+    assert len(seen) == len(shapes) >= 2
+    for timings in seen.values():
+        assert sorted(timings) == list(cost_model.PRODUCT_ROWS)
+        assert all(set(x) == {"transposed", "linear", "packed"} and min(x.values()) > 0 for x in timings.values())
+    assert lean.kernels == {s: ((1, "linear"), (4, "packed")) for s in shapes}
+    assert not lean._wt  # no choice uses the transposed copies: freed
+    assert lean.kernel(next(iter(lean.products().values()))[0][1], 3) == "linear"
+    want = {f"{a}x{b}": [[1, "linear"], [4, "packed"]] for a, b in shapes}
+    assert cost.about["products"] == want
     [f] = (tmp_path / "forward_cost").glob("*.json")
-    assert json.loads(f.read_text())["about"]["packed_min_rows"] == 4
-    lean.packed_min_rows, lean.packed_one_row_min = 2, 7
-    monkeypatch.setattr(cost_model, "calibrate_packing", lambda *a, **k: pytest.fail("measured again"))
+    assert json.loads(f.read_text())["about"]["products"] == want
+    lean.kernels = {}
+    monkeypatch.setattr(cost_model, "calibrate_products", lambda *a, **k: pytest.fail("measured again"))
     Engine(eng.model).forward_cost(rows=1, max_tokens=8)
-    assert (lean.packed_min_rows, lean.packed_one_row_min) == (4, PACKED_ONE_ROW_MIN)  # applied from the cache
+    assert lean.kernels == {s: ((1, "linear"), (4, "packed")) for s in shapes}  # applied from the cache
     summary = cost_model.packing_summary(cost.about)  # what the benches print next to the cost table
-    assert "multi-row from 4 rows" in summary and "(the default)" in summary
-    assert "multi-row none" in cost_model.packing_summary({**cost.about, "packed_min_rows": NEVER_PACKED})
+    a, b = sorted(shapes)[0]
+    assert f"{a}x{b} linear 1-3, packed 4+" in summary
     assert cost_model.packing_summary({"key": {}}) is None
+    assert cost_model.products_from_about({"products": {"3x4": [[2, "packed"]]}}) is None  # must start at 1 row
+    assert cost_model.products_from_about({"products": {"3x4": [[1, "gemv"]]}}) is None
 
 
-@pytest.mark.parametrize("one_row_packed_faster", [True, False])
-def test_packing_calibration_follows_the_timings(models, monkeypatch, one_row_packed_faster):
-    """calibrate_packing sets each knob to the way its forwards were timed faster (timings given: the real ones
-    differ by machine): the one-row choice where the model has weights past the size threshold, the multi-row
-    crossover by choose_packed_min_rows; the runner's cache lengths are left empty."""
-    from megatron_jf.inference import cost_model, lean_forward
-    from megatron_jf.inference.runner import ModelRunner
+def test_product_calibration_follows_the_timings(models, monkeypatch):
+    """calibrate_products picks, per weight shape and row count, the kernel its products were timed fastest
+    (timings given through a fake clock: the real ones differ by machine), keeps the default within the noise,
+    and frees the copies no choice uses."""
+    from megatron_jf.inference import cost_model
+    from megatron_jf.inference.lean_forward import lean_forward_for
+    from megatron_jf.models.gpt import unwrap
 
     _, eng = models["qwen2-random"]
-    runner = ModelRunner(eng.model, 1, cost_model.CONTEXT + 40)
-    lean = runner.lean
+    lean = lean_forward_for(unwrap(eng.model))
     if lean is None or not lean.packed:
         pytest.skip("no lean forward with oneDNN packing here")
-    monkeypatch.setattr(lean_forward, "PACKED_ONE_ROW_MIN", 1)  # every weight counts as large
-    monkeypatch.setattr(lean, "packed_one_row_min", 1)
-    monkeypatch.setattr(lean, "packed_min_rows", 2)
+    monkeypatch.setattr(lean, "kernels", {})
+    clock = [0.0]
+    real = type(lean)._linear
 
-    def fake(runner_, rows, s, gen, context):
-        assert runner_ is runner and rows == 1 and runner_.cache is runner.cache
-        if s == 1:
-            packed = lean.packed_one_row_min == 1
-            return 1.0 if packed == one_row_packed_faster else 1.5
-        packed = lean.packed_min_rows <= s
-        return s * (1.0 if packed == (s >= 8) else 1.3)  # packing pays from 8 rows
+    def linear(self, x, w, name, bias=None, kind=None):  # a product's time by kernel and rows
+        rows = x.shape[0]
+        clock[0] += {"transposed": 1.0, "linear": 0.5 if rows <= 2 else 2.0, "packed": 3.0 if rows < 8 else 0.4}[kind]
+        return real(self, x, w, name, bias, kind)
 
-    monkeypatch.setattr(cost_model, "_forward_seconds", fake)
-    got = cost_model.calibrate_packing(runner, max_tokens=16)
-    want_one = 1 if one_row_packed_faster else lean_forward.NEVER_PACKED
-    assert got == {"packed_one_row_min": want_one, "packed_min_rows": 8}
-    assert (lean.packed_one_row_min, lean.packed_min_rows) == (want_one, 8)
-    assert int(runner.cache.lengths.sum()) == 0
+    monkeypatch.setattr(type(lean), "_linear", linear)
+    monkeypatch.setattr(cost_model.time, "perf_counter", lambda: clock[0])
+    got = cost_model.calibrate_products(lean, rows=(1, 2, 4, 8, 16), reps=1)
+    shapes = list(lean.products())
+    assert lean.kernels == {s: ((1, "linear"), (4, "transposed"), (8, "packed")) for s in shapes}
+    assert got == {"products": {f"{a}x{b}": [[1, "linear"], [4, "transposed"], [8, "packed"]] for a, b in shapes}}
+    assert lean._wt and lean._wp  # both copies are used by the choice: kept
 
 
 @pytest.mark.parametrize("decoder,kw", [("jacobi", dict(block_size=4)), ("running-window", dict(block_size=4)),

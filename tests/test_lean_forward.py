@@ -44,22 +44,23 @@ def test_lean_equals_megatron_and_transformers_no_cache(pairs, name):
                                forward_logits(m, toks, pos2, allowed=allowed, impl="megatron"), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("packed_min,min_rows", [(0, 2), (1 << 62, 2), (0, 1 << 30)],
-                         ids=["packed", "transposed", "crossover-never"])
+@pytest.mark.parametrize("kind", ["default-packed", "default-transposed", "transposed", "packed", "linear"])
 @pytest.mark.parametrize("name", ["qwen2", "llama-tied"])
-def test_lean_equals_megatron_with_kv_cache_tree_mask_and_ragged_rows(pairs, name, packed_min, min_rows, monkeypatch):
-    """Prefill (causal kernel), ragged committed lengths, a tree mask and a one-row step, both paths; multi-row
-    products through the oneDNN-packed weight copies and through the transposed ones (small products, or a
-    measured crossover, ``packed_min_rows``, that packs nothing)."""
+def test_lean_equals_megatron_with_kv_cache_tree_mask_and_ragged_rows(pairs, name, kind, monkeypatch):
+    """Prefill (causal kernel), ragged committed lengths, a tree mask and a one-row step, both paths; the products
+    through each kernel: the default rules (every multi-row product packed, or none: small products), and each
+    kernel forced for every shape at every row count as a measured choice (``LeanForward.kernels``) may set it."""
     from megatron_jf.inference import lean_forward
     from megatron_jf.inference.forward import forward_logits
     from megatron_jf.models.gpt import new_kv_cache
 
     hf, m = pairs[name]
-    monkeypatch.setattr(lean_forward, "PACKED_MIN_MACS", packed_min)
+    monkeypatch.setattr(lean_forward, "PACKED_MIN_MACS", 1 << 62 if kind == "default-transposed" else 0)
     lf = lean_forward.lean_forward_for(m)
-    monkeypatch.setattr(lf, "packed_min_rows", min_rows)
+    forced = {} if kind.startswith("default") else {shape: ((1, kind),) for shape in lf.products()}
+    monkeypatch.setattr(lf, "kernels", forced)
     lf._wp.clear()
+    lf._wt.clear()
     prompt = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
     outs = {}
     for impl in ("lean", "megatron"):
@@ -77,8 +78,9 @@ def test_lean_equals_megatron_with_kv_cache_tree_mask_and_ragged_rows(pairs, nam
         outs[impl] = seq
     for a, b in zip(outs["lean"], outs["megatron"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    # the products went the way the thresholds say
-    assert bool(lf._wp) == (packed_min == 0 and min_rows == 2 and lf.packed)
+    # the products went the way the rules or the forced kernel say (copies are made on first use)
+    assert bool(lf._wp) == (kind in ("default-packed", "packed") and lf.packed)
+    assert bool(lf._wt) == (kind in ("default-transposed", "transposed"))  # (every product here has 2+ rows)
     # the last one-row step of row 0 equals transformers on the committed sequence: prompt, tokens 0, 3, 4, 13
     full = torch.cat([prompt[0], torch.tensor([1, 4, 5, 13])])[None]
     ref = hf(full, position_ids=torch.tensor([list(range(9)) + [9, 10, 11, 12]])).logits[0, -1]
@@ -88,8 +90,9 @@ def test_lean_equals_megatron_with_kv_cache_tree_mask_and_ragged_rows(pairs, nam
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_one_row_products_take_the_packed_weights(dtype, monkeypatch, mp1):
     """One-row (AR step) products go through oneDNN's packed copy where it pays: bf16 weights always (native bf16
-    kernels; a bf16 ``x @ W_t`` is slower than fp32's), fp32 weights from :data:`PACKED_ONE_ROW_MIN` elements (a
-    large output layer); the cached one-row step equals megatron-core's forward (and, fp32, the transposed path)."""
+    kernels; a bf16 ``x @ W_t`` is slower than fp32's), fp32 weights where the measured kernel says so
+    (``LeanForward.kernels``); the cached one-row step equals megatron-core's forward (and, fp32, the transposed
+    and ``F.linear`` paths)."""
     from megatron_jf.inference import lean_forward
     from megatron_jf.inference.forward import forward_logits
     from megatron_jf.models.gpt import new_kv_cache
@@ -99,11 +102,11 @@ def test_one_row_products_take_the_packed_weights(dtype, monkeypatch, mp1):
         m = m.to(torch.bfloat16)
     prompt = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(2))
     step = {}
-    modes = (("packed", 0), ("megatron", 0)) if dtype == "bf16" else (("packed", 0), ("transposed", 1 << 62),
-                                                                       ("megatron", 0))
-    for mode, threshold in modes:
+    modes = ("packed", "megatron") if dtype == "bf16" else ("packed", "transposed", "linear", "megatron")
+    for mode in modes:
         lf = lean_forward.lean_forward_for(m)
-        lf.packed_one_row_min = threshold  # fp32's knob (measured by cost_model.calibrate_packing); bf16 always packs
+        # fp32's choice (measured by cost_model.calibrate_products); bf16 always packs
+        lf.kernels = {shape: ((1, mode),) for shape in lf.products()} if mode != "megatron" else {}
         impl = "megatron" if mode == "megatron" else "lean"
         cache = new_kv_cache(m, 1, 16)
         forward_logits(m, prompt, torch.arange(7)[None], kv_cache=cache, return_logits=False, impl=impl)

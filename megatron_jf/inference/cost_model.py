@@ -12,11 +12,11 @@ forward, which every ratio is taken against, is timed next to every point (a bur
 would make every wider forward look cheap). On this project's CPU (SmolLM2-135M, one thread)
 a row count takes a few seconds, once: later starts read the file.
 
-Before the first table of a model is measured on a CPU, :func:`calibrate_packing` measures where the lean
-forward's fp32 products pay for oneDNN's packed weights (one-row products through large weights, and from how many
-rows multi-row ones: choices that differ by CPU and model shape), sets them on the lean forward and keeps them with
-the table (``about["packed_one_row_min"]``, ``about["packed_min_rows"]``); later starts apply the cached values.
-The table then times the forward as it will run.
+Before the first table of a model is measured on a CPU, :func:`calibrate_products` measures which way each of the
+lean forward's fp32 products runs fastest by weight shape and row count (MKL on a transposed copy, oneDNN on a
+packed copy, ``F.linear`` on the weight: the fastest differs by CPU and shape), sets it on the lean forward and keeps
+it with the table (``about["products"]``); later starts apply the cached choice. The table then times the forward
+as it will run.
 
 The table is written atomically to ``<cache dir>/forward_cost/<key>.json``, the key a hash of everything the cost
 depends on -- the model's shape, parameter dtype, device (CPU model or GPU name), torch threads, forward
@@ -56,16 +56,18 @@ BUDGET_S = 4.0
 #: Passes over the points; each point's fastest time is kept (the machine's own cost: slower runs waited for a
 #: shared core).
 REPS = 3
-#: Tokens of the one-row forwards that weigh the lean forward's packed fp32 products against its transposed copies
-#: (:func:`calibrate_packing`): product row counts 2-32, the drafts of batch 1 and AR steps of small batches.
-PACKING_TOKENS = (2, 4, 8, 16, 32)
-#: A packing crossover other than the default is taken only when it saves more than this share of the measured time
-#: (noise on a shared machine must not move a forward off the path that was measured best on other CPUs).
+#: Product rows (rows x tokens per row) at which :func:`calibrate_products` times each fp32 kernel: the drafts of
+#: batch 1 and the AR steps and small drafts of batches; larger products take the choice of the largest.
+PRODUCT_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+#: A kernel other than :meth:`~megatron_jf.inference.lean_forward.LeanForward.default_kernel` is taken only where it
+#: was measured faster by more than this share (noise on a shared machine must not move a product off the path that
+#: was measured best on other CPUs).
 PACKING_MIN_SAVING = 0.02
 #: Bump when the measurement or the forward it times changes (old cache files are then ignored). 6: bf16 one-row
 #: products through oneDNN's packed weights (lean forward); 7: large fp32 one-row products too; 8: every bf16 product;
-#: 9: the fp32 packing choices measured (``about["packed_one_row_min"]``, ``about["packed_min_rows"]``).
-VERSION = 9
+#: 9: the fp32 packing choices measured; 10: the fp32 kernel measured per weight shape and rows
+#: (``about["products"]``).
+VERSION = 10
 
 
 def _device_name(device: torch.device) -> str:
@@ -177,124 +179,131 @@ def _forward_seconds(runner, rows: int, s: int, gen: torch.Generator, context: i
     return agreed_seconds(time.perf_counter() - t0)
 
 
-def choose_packed_min_rows(packed: dict[int, float], transposed: dict[int, float],
-                           min_saving: float = PACKING_MIN_SAVING) -> int:
-    """The crossover ``LeanForward.packed_min_rows`` that makes the measured forwards fastest.
+def choose_kernels(timings: dict[int, dict[str, float]], default: dict[int, str],
+                   min_saving: float = PACKING_MIN_SAVING) -> tuple[tuple[int, str], ...]:
+    """One weight shape's kernel by product rows, from the measured seconds.
 
     Args:
-        packed: seconds of a forward by product rows with every multi-row product past the MAC threshold packed.
-        transposed: the same forwards with every fp32 multi-row product through the transposed copies.
-        min_saving: a crossover other than the default (2: pack from two rows up) must save more than this share
-            of the total measured time.
+        timings: ``{rows: {kernel: seconds}}`` for the kernels timed at each row count.
+        default: ``{rows: kernel}``, the kernel :meth:`LeanForward.default_kernel` picks at each row count (kept
+            unless another was faster by more than ``min_saving``).
+        min_saving: the share of the default's time another kernel must save.
 
     Returns:
-        the smallest row count packed from (one of the measured counts), or
-        :data:`~megatron_jf.inference.lean_forward.NEVER_PACKED`.
+        ``((from_rows, kernel), ...)`` ascending, consecutive row counts with one kernel merged.
 
     Raises:
-        ValueError: the two dicts measure different row counts, or none.
+        ValueError: no timings, or a default kernel that was not timed.
     """
-    from megatron_jf.inference.lean_forward import NEVER_PACKED
+    if not timings:
+        raise ValueError("choose_kernels needs timings at one row count at least")
+    out: list[tuple[int, str]] = []
+    for rows in sorted(timings):
+        t, d = timings[rows], default[rows]
+        if d not in t:
+            raise ValueError(f"the default kernel {d!r} was not timed at {rows} rows (timed: {sorted(t)})")
+        best = min(t, key=t.get)
+        pick = best if t[best] < (1.0 - min_saving) * t[d] else d
+        if not out or out[-1][1] != pick:
+            out.append((rows, pick))
+    return tuple(out)
 
-    if not packed or set(packed) != set(transposed):
-        raise ValueError(f"packed and transposed must time the same row counts, got {sorted(packed)} and "
-                         f"{sorted(transposed)}")
-    counts = sorted(packed)
 
-    def total(threshold: int) -> float:
-        return sum(packed[r] if r >= threshold else transposed[r] for r in counts)
+def calibrate_products(lean, *, rows: tuple[int, ...] = PRODUCT_ROWS, reps: int = REPS) -> dict | None:
+    """Measure which way each fp32 product of the lean forward runs fastest on this machine, per weight shape and
+    product row count, set it (``lean.kernels``) and free the weight copies no choice uses.
 
-    default = total(2)
-    best = min([*counts, NEVER_PACKED], key=total)
-    return best if total(best) < (1.0 - min_saving) * default else 2
-
-
-def calibrate_packing(runner, max_tokens: int, *, context: int = CONTEXT, reps: int = REPS) -> dict | None:
-    """Measure where the lean forward's fp32 products pay for oneDNN's packed weights on this machine, and set it
-    on the runner's lean forward: ``packed_one_row_min`` (one-row products through large weights packed or not)
-    and ``packed_min_rows`` (from how many rows multi-row products are packed).
-
-    One-token forwards are timed with the large one-row products packed and not (where the model has such
-    weights), then one-row forwards of :data:`PACKING_TOKENS` tokens (up to ``max_tokens``) with multi-row products
-    packed and not; the two ways interleaved, each point the fastest of ``reps`` passes after a warm-up. A choice
-    other than the default is taken only where it saves more than :data:`PACKING_MIN_SAVING`
-    (:func:`choose_packed_min_rows`). On an AVX-512 EPYC the defaults were measured best; on an Intel Xeon with
-    AMX a 256-hidden model's forwards of 2-32 tokens were 20-25 % faster with none packed, SmolLM2-135M's 15-30 %
-    slower, and SmolLM2's one-token forward faster with nothing packed.
+    For each weight shape with CPU copies, a product of ``r`` random rows (``r`` in ``rows``) is run through every
+    weight of that shape in turn -- as a forward reads them, so the weights come from memory as they do there --
+    by each kernel (``transposed``; ``packed`` where oneDNN packing is on; ``linear``), the kernels interleaved,
+    the fastest of ``reps`` passes after a warm-up; :func:`choose_kernels` keeps the default unless another saves
+    more than :data:`PACKING_MIN_SAVING`. On an Intel Xeon with AMX this moved SmolLM2-135M's 1,536-input MLP
+    weight to ``F.linear`` at 1-3 rows and its attention products at 2-3 rows; a 256-hidden model's multi-row
+    products to the transposed copies.
 
     Returns:
-        ``{"packed_one_row_min": elements, "packed_min_rows": rows}`` as set, or None where there is nothing to
-        choose (not the lean forward on a CPU, weights not fp32, or oneDNN packing unavailable).
+        ``{"products": {"OUTxIN": [[from_rows, kernel], ...]}}`` as set, or None where there is nothing to choose
+        (no lean forward, weights not fp32 on a CPU, no CPU weight copies).
 
     Raises:
-        nothing of its own; an error of the forward itself propagates, with the lean forward's choices and the
-        runner's cache lengths restored.
+        nothing of its own; an error of a product propagates (the kernels measured so far are kept).
     """
-    from megatron_jf.inference.lean_forward import NEVER_PACKED, PACKED_ONE_ROW_MIN
-
-    lean = runner.lean
-    if (runner.impl != "lean" or lean is None or not lean.packed or runner.device.type != "cpu"
-            or lean.emb.weight.dtype != torch.float32):
+    if lean is None or lean.emb.weight.device.type != "cpu" or lean.emb.weight.dtype != torch.float32:
         return None
-    widths = [s for s in PACKING_TOKENS if s <= max_tokens]
-    large = any(p.numel() >= PACKED_ONE_ROW_MIN for p in unwrap(runner.model).parameters())
+    shapes = lean.products()
+    if not shapes:
+        return None
+    kinds = ["transposed", "linear"] + (["packed"] if lean.packed else [])
     gen = torch.Generator().manual_seed(0)
-    before = lean.packed_one_row_min, lean.packed_min_rows
-    one = {PACKED_ONE_ROW_MIN: float("inf"), NEVER_PACKED: float("inf")}
-    multi: dict[int, dict[int, float]] = {2: {}, NEVER_PACKED: {}}
+    chosen = {}
+    with torch.no_grad():
+        for shape, named in shapes.items():
+            timings: dict[int, dict[str, float]] = {}
+            default = {}
+            for r in rows:
+                x = torch.randn(r, shape[1], generator=gen)
+                for k in kinds:  # warm-up: the copies are made on first use
+                    lean._linear(x, named[0][1], named[0][0], kind=k)
+                t = {k: float("inf") for k in kinds}
+                for _ in range(reps):
+                    for k in kinds:
+                        t0 = time.perf_counter()
+                        for n, w in named:
+                            lean._linear(x, w, n, kind=k)
+                        t[k] = min(t[k], time.perf_counter() - t0)
+                timings[r] = t
+                d = lean.default_kernel(named[0][1], r)
+                default[r] = d if d in t else "transposed"
+            chosen[shape] = choose_kernels(timings, default)
+    chosen = _from_first_rank(chosen)
+    lean.kernels = dict(chosen)
+    lean.drop_unused_copies()
+    return {"products": {f"{a}x{b}": [list(p) for p in picks] for (a, b), picks in chosen.items()}}
+
+
+#: What :func:`calibrate_products` chose, as kept in a cost table's ``about``.
+PACKING_KNOBS = ("products",)
+
+
+def products_from_about(about: dict) -> dict[tuple[int, int], tuple[tuple[int, str], ...]] | None:
+    """``LeanForward.kernels`` from a cost table's ``about["products"]`` (None when it has none or it is malformed:
+    the choice is then measured again)."""
+    from megatron_jf.inference.lean_forward import PRODUCT_KERNELS
+
     try:
-        if large:
-            for policy in one:  # warm-ups: the weight copies are made on first use
-                lean.packed_one_row_min = policy
-                _forward_seconds(runner, 1, 1, gen, context)
-            for _ in range(reps):
-                for policy in one:
-                    lean.packed_one_row_min = policy
-                    one[policy] = min(one[policy], _forward_seconds(runner, 1, 1, gen, context))
-        if widths:
-            for policy in multi:
-                lean.packed_min_rows = policy
-                _forward_seconds(runner, 1, widths[-1], gen, context)
-            for _ in range(reps):
-                for s in widths:
-                    for policy, got in multi.items():
-                        lean.packed_min_rows = policy
-                        got[s] = min(got.get(s, float("inf")), _forward_seconds(runner, 1, s, gen, context))
-    finally:
-        runner.cache.lengths.zero_()
-        lean.packed_one_row_min, lean.packed_min_rows = before
-    if large and one[NEVER_PACKED] < (1.0 - PACKING_MIN_SAVING) * one[PACKED_ONE_ROW_MIN]:
-        lean.packed_one_row_min = NEVER_PACKED
-    if widths:
-        lean.packed_min_rows = choose_packed_min_rows(multi[2], multi[NEVER_PACKED])
-    return {"packed_one_row_min": lean.packed_one_row_min, "packed_min_rows": lean.packed_min_rows}
-
-
-#: The lean forward's packing choices :func:`calibrate_packing` makes (kept in a cost table's ``about``).
-PACKING_KNOBS = ("packed_one_row_min", "packed_min_rows")
+        out = {}
+        for shape, picks in about["products"].items():
+            a, b = (int(x) for x in shape.split("x"))
+            table = tuple((int(r), str(k)) for r, k in picks)
+            if not table or table[0][0] != min(PRODUCT_ROWS) or any(k not in PRODUCT_KERNELS for _, k in table):
+                return None
+            out[(a, b)] = table
+        return out
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
 
 
 def packing_summary(about: dict) -> str | None:
-    """One line saying what :func:`calibrate_packing` chose (from a cost table's ``about``), or None when it did
-    not run (not the lean forward on a CPU with fp32 weights). Raises nothing: a table without the choices gives
-    None."""
-    from megatron_jf.inference.lean_forward import NEVER_PACKED, PACKED_ONE_ROW_MIN
-
-    if not all(k in about for k in PACKING_KNOBS):
+    """One line saying which way the fp32 products run, as :func:`calibrate_products` measured (from a cost table's
+    ``about``), e.g. ``"fp32 products by rows, as measured on this machine: 576x1536 linear 1-3, packed 4+; ..."``;
+    None when it did not run (not the lean forward on a CPU with fp32 weights). Raises nothing."""
+    kernels = products_from_about(about) if "products" in about else None
+    if not kernels:
         return None
-    one = int(about["packed_one_row_min"])
-    multi = int(about["packed_min_rows"])
-    one_s = "none" if one >= NEVER_PACKED else f"through weights of >= {one:,} elements" + (
-        " (the default)" if one == PACKED_ONE_ROW_MIN else "")
-    multi_s = "none" if multi >= NEVER_PACKED else f"from {multi} rows" + (" (the default)" if multi == 2 else "")
-    return f"oneDNN-packed fp32 products, as measured on this machine: one-row {one_s}; multi-row {multi_s}"
+    parts = []
+    for (a, b), picks in kernels.items():
+        spans = []
+        for i, (r, k) in enumerate(picks):
+            end = picks[i + 1][0] - 1 if i + 1 < len(picks) else None
+            spans.append(f"{k} {r}+" if end is None else (f"{k} {r}" if end == r else f"{k} {r}-{end}"))
+        parts.append(f"{a}x{b} {', '.join(spans)}")
+    return "fp32 products by rows, as measured on this machine: " + "; ".join(parts)
 
 
 def _apply_packing(runner, about: dict) -> None:
-    if runner.lean is not None:
-        for knob in PACKING_KNOBS:
-            if knob in about:
-                setattr(runner.lean, knob, int(about[knob]))
+    kernels = products_from_about(about) if "products" in about else None
+    if runner.lean is not None and kernels:
+        runner.lean.kernels = kernels
 
 
 def measure_rows(runner, rows: int, max_tokens: int, *, context: int = CONTEXT, budget_s: float = BUDGET_S,
@@ -375,8 +384,8 @@ def ensure_cost(model, cost: ForwardCost | None, rows: int, max_tokens: int, opt
             _store(path, out)
         return out
     runner = ModelRunner(model, max(missing), CONTEXT + max_tokens + 1, options=options)
-    if not points:  # the packing choices are measured before the table: the table times the forward as it runs
-        about.update(calibrate_packing(runner, max_tokens) or {})
+    if not points or products_from_about(about) is None:  # the kernels are measured before the table, which then
+        about.update(calibrate_products(runner.lean if runner.impl == "lean" else None) or {})  # times them
     _apply_packing(runner, about)
     for b in missing:
         points[b] = measure_rows(runner, b, max_tokens)

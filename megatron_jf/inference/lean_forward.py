@@ -79,13 +79,15 @@ def supports(model) -> bool:
 #: transposed copy; 1 M multiply-adds and up, packed was as fast or faster at every shape measured).
 PACKED_MIN_MACS = 1 << 19
 
-#: ``LeanForward.packed_min_rows`` meaning "never": fp32 multi-row products always go through the transposed copies.
-NEVER_PACKED = 1 << 30
+#: The ways a product runs on CPU (``LeanForward.kernels``): ``transposed`` -- ``x @ W_t`` through a ``[in, out]``
+#: copy (MKL's sgemm), ``packed`` -- oneDNN's linear on a copy packed for it, ``linear`` -- ``F.linear`` on the weight
+#: itself (MKL, no copy).
+PRODUCT_KERNELS = ("transposed", "packed", "linear")
 
-#: fp32 one-row products through weights of at least this many elements also take the packed copy: oneDNN reads
-#: a large packed weight faster than ``x @ W_t`` (SmolLM2-135M's 49,152 x 960 output layer at one row: 4.9 ms packed,
-#: 7.9 ms transposed, 11.0 ms ``F.linear``; its 1.5-4.9 M-element layer weights: equal within 5 %; a 256-hidden
-#: model's weights, under a million elements: the transposed copy is 2x faster; one thread, AVX-512 EPYC).
+#: fp32 one-row products through weights of at least this many elements take the packed copy until measured: oneDNN
+#: reads a large packed weight faster than ``x @ W_t`` (SmolLM2-135M's 49,152 x 960 output layer at one row: 4.9 ms
+#: packed, 7.9 ms transposed, 11.0 ms ``F.linear``; its 1.5-4.9 M-element layer weights: equal within 5 %; a
+#: 256-hidden model's weights, under a million elements: the transposed copy is 2x faster; one thread, AVX-512 EPYC).
 PACKED_ONE_ROW_MIN = 1 << 20
 
 
@@ -140,15 +142,11 @@ class LeanForward:
         self.gemv_transposed: set[str] = self._gemv_policy(gemv)
         self._wt: dict[str, tuple] = {}
         self.packed = bool(self.gemv_transposed) and options.lean_packed_on() and _onednn_packing_works()
-        #: fp32 multi-row products take the packed copy only from this many rows (rows x tokens per row) up, and
-        #: only past :data:`PACKED_MIN_MACS`; 2 (every multi-row product past the MAC threshold) until
-        #: :func:`megatron_jf.inference.cost_model.calibrate_packing` measures where packing pays on this machine
-        #: (:data:`NEVER_PACKED`: nowhere). Output is the same either way, up to the products' rounding.
-        self.packed_min_rows = 2
-        #: fp32 one-row products take the packed copy through weights of at least this many elements
-        #: (:data:`PACKED_ONE_ROW_MIN` until :func:`~megatron_jf.inference.cost_model.calibrate_packing` measures
-        #: whether that pays here; :data:`NEVER_PACKED`: never).
-        self.packed_one_row_min = PACKED_ONE_ROW_MIN
+        #: the fp32 product kernel by weight shape and product rows, as measured on this machine
+        #: (:func:`megatron_jf.inference.cost_model.calibrate_products`): ``{(out, in): ((from_rows, kernel), ...)}``
+        #: ascending from 1 row; a shape not in it follows :meth:`default_kernel`. Output is the same whichever runs,
+        #: up to the products' rounding.
+        self.kernels: dict[tuple[int, int], tuple[tuple[int, str], ...]] = {}
         self._wp: dict[str, tuple] = {}
 
     def set_packed(self, on: bool) -> None:
@@ -171,16 +169,16 @@ class LeanForward:
         copy packed for it (:func:`_onednn_packing_works`; ``MEGATRON_JF_LEAN_PACKED=0``: ``F.linear``): MKL's
         sgemm reads ``W`` slowly for a few rows, so a 2-8 token forward of SmolLM2-135M took 1.8-2.6x a one-token
         one; packed, 1.05-1.3x (AVX-512 EPYC, one thread), and batch-16 AR steps take 0.65x the time. A second
-        extra copy of those weights. oneDNN's call costs ~10-15 us more than MKL's, so products below
-        :data:`PACKED_MIN_MACS` multiply-adds (a 2-4 token draft through a 256-hidden model's weights) use the
-        transposed copy as one-row products do, and so do those of fewer than :attr:`packed_min_rows` rows, a
-        crossover measured on the machine (on an Intel Xeon with AMX every multi-row fp32 product of a
-        256-hidden model was faster through the transposed copy: a 16-token forward 2.2 ms against 2.9 packed);
-        one-row products through weights of :data:`PACKED_ONE_ROW_MIN` elements or more (a large output layer)
-        take the packed copy where that was measured to pay (:attr:`packed_one_row_min`; on that Xeon
-        SmolLM2-135M's one-token forward was faster with none packed: its output layer 7.5 ms transposed against
-        9.6 packed, cold cache). bf16 weights take the packed copy for
-        one-row products too, and small products at any row count:
+        extra copy of those weights. Which way (:data:`PRODUCT_KERNELS`: ``transposed``, ``packed``, or ``linear``,
+        ``F.linear`` on the weight itself) an fp32 product takes is measured on the machine per weight shape and
+        row count (:attr:`kernels`, :func:`~megatron_jf.inference.cost_model.calibrate_products`), since the
+        fastest differs by CPU and shape: on an Intel Xeon with AMX a 256-hidden model's multi-row products were
+        faster transposed (a 16-token forward 2.2 ms against 2.9 packed), SmolLM2-135M's one-token forward faster
+        with its output layer transposed (7.5 ms against 9.6 packed, cold cache), its 1,536-input MLP weight
+        faster through ``F.linear`` at one row (188 against 213 us transposed) and its 2-row QKV product through
+        ``F.linear`` (122 us against 133 packed, 143 transposed). Until measured, :meth:`default_kernel` (the
+        fastest on an AVX-512 EPYC: oneDNN's call costs ~10-15 us more than MKL's, so products below
+        :data:`PACKED_MIN_MACS` multiply-adds stay transposed). bf16 weights always take the packed copy:
         oneDNN's native bf16 kernels (AVX-512 BF16) read half the bytes, where a bf16 ``x @ W_t`` is slower than
         fp32's (SmolLM2-135M's products at one row: 2.8 ms packed bf16 against 8.0 ms fp32 per layer's set of
         weights with the output layer; a 256-hidden model's at 1-4 rows: 12-20 us packed, 15-33 us through a bf16
@@ -199,18 +197,39 @@ class LeanForward:
             names |= {f"{k}{i}" for k in ("qkv", "proj", "fc1", "fc2") for i in range(len(self.layers))}
         return names
 
-    def _linear(self, x, w, name: str, bias=None):
+    @staticmethod
+    def default_kernel(w: torch.Tensor, rows: int) -> str:
+        """The fp32 product kernel for ``rows`` rows through ``w`` until :attr:`kernels` measures it: ``packed`` for
+        multi-row products of :data:`PACKED_MIN_MACS` multiply-adds or more and for one-row products through
+        weights of :data:`PACKED_ONE_ROW_MIN` elements or more, else ``transposed``."""
+        if rows > 1:
+            return "packed" if rows * w.numel() >= PACKED_MIN_MACS else "transposed"
+        return "packed" if w.numel() >= PACKED_ONE_ROW_MIN else "transposed"
+
+    def kernel(self, w: torch.Tensor, rows: int) -> str:
+        """How a product of ``rows`` rows through ``w`` runs (one of :data:`PRODUCT_KERNELS`): bf16 weights always
+        ``packed`` (oneDNN's native bf16 kernels); fp32 ones as :attr:`kernels` measured for their shape, else
+        :meth:`default_kernel`."""
+        if w.dtype == torch.bfloat16:
+            return "packed"
+        table = self.kernels.get((w.shape[0], w.shape[-1])) if w.dtype == torch.float32 else None
+        if not table:
+            return self.default_kernel(w, rows)
+        kind = table[0][1]
+        for first, k in table:
+            if first > rows:
+                break
+            kind = k
+        return kind
+
+    def _linear(self, x, w, name: str, bias=None, kind: str | None = None):
         if name not in self.gemv_transposed:
             return F.linear(x, w, bias)
         key = (w._version, w.data_ptr(), w.dtype)
-        rows = x.numel() // x.shape[-1]
-        if w.dtype == torch.bfloat16:
-            packed = True
-        elif rows > 1:
-            packed = rows >= self.packed_min_rows and rows * w.numel() >= PACKED_MIN_MACS
-        else:
-            packed = w.numel() >= self.packed_one_row_min
-        if packed:  # several rows of a large product, a large one-row one or any bf16 one (see _gemv_policy)
+        kind = kind or self.kernel(w, x.numel() // x.shape[-1])
+        if kind == "linear":
+            return F.linear(x, w, bias)
+        if kind == "packed":  # see _gemv_policy
             if not self.packed or x.dtype != w.dtype or torch.is_autocast_enabled("cpu"):
                 return F.linear(x, w, bias)
             hit = self._wp.get(name)
@@ -224,6 +243,30 @@ class LeanForward:
             self._wt[name] = hit
         y = x @ hit[1]
         return y if bias is None else y + bias
+
+    def products(self) -> dict[tuple[int, int], list[tuple[str, torch.Tensor]]]:
+        """The products that have CPU weight copies, by weight shape: ``{(out, in): [(name, weight), ...]}``
+        (for :func:`~megatron_jf.inference.cost_model.calibrate_products`)."""
+        named = [(n, w) for L in self.layers for n, w in zip(L.names, (L.qkv_w, L.proj_w, L.fc1_w, L.fc2_w))]
+        named.append(("out", self._output_weight()))
+        out: dict[tuple[int, int], list] = {}
+        for n, w in named:
+            if n in self.gemv_transposed:
+                out.setdefault((w.shape[0], w.shape[-1]), []).append((n, w))
+        return out
+
+    def drop_unused_copies(self) -> None:
+        """Free the transposed and packed copies of fp32 weights whose measured kernels (:attr:`kernels`) never use
+        them (measuring makes every copy)."""
+        for shape, named in self.products().items():
+            used = {k for _, k in self.kernels.get(shape, ())}
+            if not used or named[0][1].dtype != torch.float32:
+                continue
+            for n, _ in named:
+                if "transposed" not in used:
+                    self._wt.pop(n, None)
+                if "packed" not in used:
+                    self._wp.pop(n, None)
 
     # ------------------------------------------------------------------ pieces
     def _rope(self, position_ids: torch.Tensor, dtype):
