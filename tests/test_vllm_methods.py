@@ -236,9 +236,11 @@ def _run_batch(proposer, requests, max_tokens, *, cut=None, skip=(), preempt=Non
 
 
 def _proposer(spec):
+    """The proposer of ``spec``, at the fixed width unless ``spec`` says otherwise (the tests that replay a policy's
+    drafts exactly; the auto width follows the steps' times)."""
     from megatron_jf.vllm_plugin.proposer import JacobiForcingProposer
 
-    _, ours = translate(spec)
+    _, ours = translate({"draft_width": "fixed", **spec})
     return JacobiForcingProposer(SimpleNamespace(
         additional_config={ADDITIONAL_CONFIG_KEY: ours},
         speculative_config=SimpleNamespace(num_speculative_tokens=spec["num_speculative_tokens"])))
@@ -261,7 +263,7 @@ def test_proposer_keeps_each_request_on_its_own_trajectory(method):
     requests = [{"id": "a", "prompt": [3, 1, 4], "join": 0}, {"id": "b", "prompt": [9, 2], "join": 2},
                 {"id": "c", "prompt": [7, 7, 1, 5], "join": 1, "chunk": True}]
     rule = (RunningWindowRule(4) if method == "jacobi"
-            else PolicyRule(policy_for(decode_config(spec), linear=True)))
+            else PolicyRule(policy_for(decode_config({"draft_width": "fixed", **spec}), linear=True)))
     out, drafts = _run_batch(proposer, requests, 30)
     for r in requests:
         ref_out, ref_drafts, _ = reference_decode(_predict, rule, r["prompt"], max_tokens=30,
@@ -269,6 +271,49 @@ def test_proposer_keeps_each_request_on_its_own_trajectory(method):
         assert out[r["id"]] == ref_out == _ar(r["prompt"], 30)
         assert drafts[r["id"]][: len(ref_drafts)] == ref_drafts
     assert proposer.states == {} and proposer.live_states() == 0  # finished requests are forgotten
+
+
+@pytest.mark.parametrize("cost", ["free", "dear"])
+def test_proposer_auto_width_follows_vllms_step_times(cost, monkeypatch):
+    """``draft_width: auto`` (the plugin's default): the proposer times vLLM's steps by the tokens they forwarded
+    and cuts the drafts to the width that pays -- the whole draft where a wider step costs nothing more ("free"),
+    no draft where each token costs a step ("dear") -- after exploring (the first steps AR, then whole drafts, then
+    now and then a width not timed yet).
+    Output is greedy AR either way."""
+    from megatron_jf.vllm_plugin import proposer as mod
+
+    spec = {"method": "mr", "num_speculative_tokens": 8, "num_blocks": 2, "spawn_threshold": 0.5,
+            "draft_width": "auto"}
+    proposer = _proposer(spec)
+    clock = [0.0]
+    monkeypatch.setattr(mod.time, "perf_counter", lambda: clock[0])
+    real = proposer.propose_batch
+
+    def timed(view):  # vLLM's step before this call: 1 s, or 1 s per token forwarded
+        tokens = sum(1 + len(d) for d in view.verification.drafts)
+        clock[0] += 1.0 if cost == "free" else float(tokens)
+        return real(view)
+
+    proposer.propose_batch = timed
+    cuts = []  # per step: (proposed, forwarded) draft lengths of the row
+    cut = proposer._cut
+
+    def spy(drafts, auto):
+        before = len(drafts[0])
+        cut(drafts, auto)
+        cuts.append((before, len(drafts[0])))
+
+    proposer._cut = spy
+    out, _ = _run_batch(proposer, [{"id": "a", "prompt": [3, 1, 4], "join": 0}], 80)
+    assert out["a"] == _ar([3, 1, 4], 80)
+    assert [c[1] for c in cuts[:2]] == [0, 0] and all(a == b > 0 for a, b in cuts[2:4])  # exploring: AR, then whole
+    late = cuts[24:]  # (widths not timed yet are tried every EXPLORE_EVERY steps until timed)
+    assert len(late) > 10
+    if cost == "free":
+        assert all(a == b for a, b in late), cuts  # the whole draft
+    else:
+        assert all(b == 0 for _, b in late)  # no draft
+    assert proposer.step_times.table() is not None
 
 
 # ------------------------------------------------ MR with K >= 3 when vLLM verifies less than the policy drafted
@@ -351,7 +396,7 @@ def test_proposer_updates_from_the_draft_vllm_verified():
 
     spec = _mr(3)
     proposer = _proposer(spec)
-    proposer.policy = Spy(decode_config(spec), linear=True)
+    proposer.policy = Spy(decode_config({"draft_width": "fixed", **spec}), linear=True)
     verified = {}
     skip = {5, 14, 30}
     out, _ = _run_batch(proposer, [{"id": "a", "prompt": [3, 1, 4], "join": 0}], 60,

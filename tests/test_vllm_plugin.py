@@ -41,12 +41,17 @@ from tests.vllm_support import PolicyRule, RunningWindowRule, cycle_successor, r
 
 N_JACOBI = 4
 MR_K, MR_N = 2, 4
+# the methods whose drafts the tests replay exactly run at the fixed width (the auto width follows vLLM's step times)
 SPECS = {"ar": None,
-         "jacobi": {"method": "jacobi", "num_speculative_tokens": N_JACOBI},
-         "mr": {"method": "mr", "num_speculative_tokens": MR_K * MR_N, "num_blocks": MR_K, "spawn_threshold": 0.5},
+         "jacobi": {"method": "jacobi", "num_speculative_tokens": N_JACOBI, "draft_width": "fixed"},
+         "mr": {"method": "mr", "num_speculative_tokens": MR_K * MR_N, "num_blocks": MR_K, "spawn_threshold": 0.5,
+                "draft_width": "fixed"},
          # MR without context n-grams (recycled n-grams only)
          "mr-recycled": {"method": "mr", "num_speculative_tokens": MR_K * MR_N, "num_blocks": MR_K,
-                         "spawn_threshold": 0.5, "prompt_lookup_max": 0}}
+                         "spawn_threshold": 0.5, "prompt_lookup_max": 0, "draft_width": "fixed"},
+         # the plugin's default: drafts cut to the width that pays on vLLM's steps
+         "mr-auto": {"method": "mr", "num_speculative_tokens": MR_K * MR_N, "num_blocks": MR_K,
+                     "spawn_threshold": 0.5}}
 # chunked prefill (prompts longer than the token budget are prefilled in chunks) and prefix caching (blocks of 32)
 ENGINE = dict(dtype="float32", max_model_len=512, block_size=32, max_num_batched_tokens=192, max_num_seqs=16,
               enable_chunked_prefill=True, enable_prefix_caching=True, enforce_eager=True,
@@ -201,6 +206,23 @@ def test_mr_context_ngrams_lead_drafts_and_stay_lossless(models, engines):
         if method == "mr":
             assert first == [MR_K * MR_N] * len(prompts), first  # the whole first draft: the context's cycle
     assert steps["mr"] * 2 <= steps["mr-recycled"], steps
+
+
+def test_auto_width_greedy_equals_vllm_ar(models, engines):
+    """The plugin's default ``draft_width: auto`` (drafts cut each step to the width that pays on vLLM's steps as
+    the proposer times them): greedy tokens equal vLLM's AR, one request at a time and 6 at once; the proposer
+    timed the steps (its step-time table exists) and drafted in some of them."""
+    cycle = [252, 253, 254, 255] * 2
+    prompts = [p + cycle + [252] for p in _prompts(7, (3, 17, 40, 9, 1, 30))]
+    params = dict(temperature=0.0, max_tokens=32, ignore_eos=True)
+    ar, auto = engines("cycle", "ar"), engines("cycle", "mr-auto")
+    base = [list(o.outputs[0].token_ids) for o in _generate(ar, prompts, params)]
+    one = [list(_generate(auto, [p], params)[0].outputs[0].token_ids) for p in prompts]
+    together = [list(o.outputs[0].token_ids) for o in _generate(auto, prompts, params)]
+    assert one == base and together == base
+    timed = auto.collective_rpc(lambda w: (w.model_runner.drafter.step_times.table() is not None,
+                                           w.model_runner.drafter.step_times.timed_up_to()))[0]
+    assert timed[0] and timed[1] > 1, timed  # wider steps than AR's were timed
 
 
 @pytest.mark.parametrize("method", ["jacobi", "mr"])

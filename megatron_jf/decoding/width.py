@@ -32,8 +32,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-__all__ = ["MARGIN", "PRIORS", "AcceptanceStats", "ForwardCost", "RowDraft", "StepCalibration", "choose_widths",
-           "context_source", "expected_accepted", "width_grid"]
+__all__ = ["MARGIN", "PRIORS", "AcceptanceStats", "ForwardCost", "RowDraft", "StepCalibration", "StepTimes",
+           "choose_flat_width", "choose_widths", "context_source", "expected_accepted", "width_grid"]
 
 #: Prior acceptance rate of each draft source, worth :data:`PRIOR_WEIGHT` observations of its pooled rate: the
 #: decoder's own Jacobi draft (``draft``; an ordinary model accepts a few percent of it, a Jacobi Forcing model
@@ -426,3 +426,92 @@ class StepCalibration:
             ratio = max(ratio, 1.0) * ra / rd
         return min(hi, max(lo, ratio))
 
+
+class StepTimes:
+    """Seconds of an engine's whole step by the tokens it forwarded, measured from the steps themselves: the cost
+    table of an engine whose forward this project does not time (vLLM's, for the plugin's proposer,
+    :mod:`megatron_jf.vllm_plugin.proposer`). A flattened batch (vLLM's) costs by its total tokens, so one curve:
+    ``tokens -> seconds``.
+
+    Each step records its tokens and seconds; token counts are bucketed (exact up to 8, then by powers of two) and
+    each bucket keeps its last :attr:`window` steps, whose medians (tokens, seconds) are the curve's points (a
+    median: a step that waited for a shared core, or a first call, must not set it).
+
+    Args:
+        window: steps kept per bucket.
+        min_steps: steps a bucket needs before it is a point.
+
+    Raises:
+        ValueError: ``window`` or ``min_steps`` < 1, or ``min_steps`` > ``window``.
+    """
+
+    def __init__(self, window: int = 15, min_steps: int = 2):
+        if not 1 <= min_steps <= window:
+            raise ValueError(f"StepTimes needs 1 <= min_steps <= window, got {min_steps} and {window}")
+        self.window, self.min_steps = window, min_steps
+        self._buckets: dict[int, list[tuple[int, float]]] = {}
+
+    @staticmethod
+    def bucket(tokens: int) -> int:
+        """Token counts up to 8 are their own bucket; above, powers of two share one (9-16 -> 16, 17-32 -> 32)."""
+        return tokens if tokens <= 8 else 1 << (tokens - 1).bit_length()
+
+    def record(self, tokens: int, seconds: float) -> None:
+        """One step that forwarded ``tokens`` tokens (>= 1) in ``seconds`` (> 0; others are ignored)."""
+        if tokens < 1 or seconds <= 0:
+            return
+        steps = self._buckets.setdefault(self.bucket(tokens), [])
+        steps.append((tokens, seconds))
+        del steps[: -self.window]
+
+    def steps_at(self, tokens: int) -> int:
+        """Steps kept in the bucket of ``tokens``."""
+        return len(self._buckets.get(self.bucket(tokens), ()))
+
+    def table(self, optimistic: bool = False) -> ForwardCost | None:
+        """The curve as a one-row :class:`ForwardCost` over total tokens (monotone, extrapolated as it does: no
+        cheaper per token past the last point), or None until two buckets have :attr:`min_steps` steps (one point
+        says nothing about what a wider step costs). ``optimistic``: flat past the last point instead (a wider step
+        priced as the widest timed: what is worth trying once)."""
+        pts = {}
+        for steps in self._buckets.values():
+            if len(steps) >= self.min_steps:
+                pts[int(statistics.median(t for t, _ in steps))] = statistics.median(x for _, x in steps)
+        if len(pts) < 2:
+            return None
+        if optimistic:
+            last = max(pts)
+            pts[1 << 20] = pts[last]
+        return ForwardCost({1: pts}, {"source": "step times", "optimistic": optimistic})
+
+    def timed_up_to(self) -> int:
+        """The most tokens of a point of :meth:`table` (0 when there is none)."""
+        return max((int(statistics.median(t for t, _ in steps)) for steps in self._buckets.values()
+                    if len(steps) >= self.min_steps), default=0)
+
+
+def choose_flat_width(cost: ForwardCost, rows: Sequence[Sequence[float]], margin: float = MARGIN) -> int:
+    """The draft width ``W`` every row forwards this step (cut to its own draft) in an engine whose batch is one
+    flattened sequence of tokens (vLLM's): the ``W`` maximising ``sum_r (1 + E_r(min(W, len_r))) /
+    cost.seconds(1, sum_r (1 + min(W, len_r)))``, ``W = 0`` (AR) unless a draft beats it by ``margin`` where it
+    costs more (as :func:`choose_widths`; ties go to the wider).
+
+    Args:
+        cost: seconds by total tokens (row count 1), e.g. :meth:`StepTimes.table`.
+        rows: each row's estimated conditional acceptance by draft position (its length: the row's draft).
+
+    Returns:
+        ``W``, 0 up to the longest draft.
+    """
+    expect = [expected_accepted(p) for p in rows]
+    ceiling = max((len(p) for p in rows), default=0)
+    best_w, best, ar_seconds = 0, None, None
+    for W in width_grid(ceiling):
+        tokens = sum(1 + min(W, len(p)) for p in rows)
+        seconds = cost.seconds(1, max(tokens, 1))
+        rate = sum(1 + e[min(W, len(e) - 1)] for e in expect) / seconds
+        if best is None:
+            best_w, best, ar_seconds = W, rate, seconds
+        elif rate >= (best if best_w else best * (1 + margin if seconds > ar_seconds else 1)):
+            best_w, best = W, rate
+    return best_w

@@ -310,7 +310,8 @@ class VLLMCollector:
         hf_config = check_hf_model_dir(model)
         self.model = model
         self.n = block_size
-        self.decode_config = DecodeConfig("jacobi", block_size=block_size, draft_init=draft_init)
+        # a trajectory is the whole block every step (as this project's engine records it): the fixed width
+        self.decode_config = DecodeConfig("jacobi", block_size=block_size, draft_init=draft_init, draft_width="fixed")
         self.policy = CollectorPolicy(self.decode_config)
         self.max_num_seqs = max_num_seqs
         self.vocab_size = int(hf_config.get("vocab_size", 0))

@@ -13,10 +13,12 @@ per-request options.
     candidate -- a recycled n-gram or a context n-gram (prompt lookup: what followed earlier occurrences of the
     newest tokens in the prompt and output) -- where the request's acceptance so far expects it to accept more
     than the Jacobi draft (:class:`megatron_jf.decoding.MRPolicy` with ``linear=True``); the pool persists per
-    request. vLLM verifies the whole draft (the engine's cost-based width choice is this project's engine's).
+    request.
 
 ``num_speculative_tokens`` is 1 to :data:`MAX_SPEC_LEN` (vLLM's cap). Optional keys (both methods unless noted), the
-fields of :class:`megatron_jf.decoding.DecodeConfig`: ``draft_init`` (``context`` | ``repeat``), and for ``mr``
+fields of :class:`megatron_jf.decoding.DecodeConfig`: ``draft_init`` (``context`` | ``repeat``), ``draft_width``
+(``auto``, the default: each step's drafts cut to the width that pays on vLLM's steps as the proposer times them,
+:mod:`megatron_jf.vllm_plugin.proposer`; ``fixed``: the whole draft every step), and for ``mr``
 ``num_blocks`` K (default 2), ``spawn_threshold`` r, ``ngram_pool_size``, ``verification_size`` (>= 2 lets a pool
 candidate be chosen), ``prompt_lookup_min`` / ``prompt_lookup_max`` (vLLM's n-gram names: the context n-grams'
 match lengths; ``prompt_lookup_max: 0`` turns them off). Drafts are seeded by the request's ``SamplingParams.seed`` (0 when unset) and its prompt, as
@@ -49,11 +51,12 @@ METHODS = ("jacobi", "mr")
 #: vLLM's cap on the draft tokens it verifies per request and step (``MAX_SPEC_LEN`` of
 #: ``vllm/v1/sample/rejection_sampler.py``; the plugin checks it against the installed vLLM when it loads).
 MAX_SPEC_LEN = 128
-_OPTIONS = {"jacobi": ("draft_init",),
-            "mr": ("draft_init", "num_blocks", "spawn_threshold", "ngram_pool_size", "verification_size",
+_OPTIONS = {"jacobi": ("draft_init", "draft_width"),
+            "mr": ("draft_init", "draft_width", "num_blocks", "spawn_threshold", "ngram_pool_size", "verification_size",
                    "prompt_lookup_min", "prompt_lookup_max")}
 #: each option's allowed values as errors state them (the range checks themselves are DecodeConfig's)
-_ALLOWED = {"draft_init": "'context' or 'repeat'", "num_blocks": "an integer >= 1 dividing num_speculative_tokens",
+_ALLOWED = {"draft_init": "'context' or 'repeat'", "draft_width": "'auto' or 'fixed'",
+            "num_blocks": "an integer >= 1 dividing num_speculative_tokens",
             "spawn_threshold": "a number in (0, 1]", "ngram_pool_size": "an integer >= 1",
             "verification_size": "an integer >= 1", "prompt_lookup_min": "an integer >= 1",
             "prompt_lookup_max": "an integer >= 0 (0: off)"}

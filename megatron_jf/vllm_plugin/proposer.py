@@ -23,18 +23,35 @@ before ``observe`` (:meth:`JacobiForcingProposer.resync`), so the update stays a
 vLLM verifies whatever is drafted with its rejection sampler, so the output is vLLM's own greedy output (or
 its sampling distribution) whatever the policy proposes: the policy only decides how many tokens each forward
 yields (TPF, vLLM's "mean acceptance length").
+
+With ``draft_width: auto`` (the default) the drafts are cut each step to the width that pays on vLLM's own steps,
+as this project's engine cuts its own (issue 33): the proposer times every step (from its return to its next call:
+vLLM's forward, sampling and bookkeeping) by the tokens it forwarded (:class:`~megatron_jf.decoding.width.StepTimes`)
+and picks the width maximising expected tokens per second over the batch's flattened tokens
+(:func:`~megatron_jf.decoding.width.choose_flat_width`) from each request's acceptance by draft position and source.
+Until two widths are timed it explores: the first steps draft nothing (AR's time), the next the whole draft; later,
+now and then (:data:`EXPLORE_EVERY`), a step tries a wider width than any timed where that would pay at the widest
+timed step's cost.
+``draft_width: fixed`` drafts the whole draft every step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 
 from megatron_jf.decoding import DraftState, Outcome, Policy, policy_for
+from megatron_jf.decoding.width import StepTimes, choose_flat_width
 from megatron_jf.vllm_plugin.methods import from_additional_config, request_block_size
 
 logger = logging.getLogger(__name__)
+
+#: ``draft_width: auto``: at most every this many steps, a step tries a width wider than any timed where it would
+#: pay if it cost what the widest timed step did (the step-time table prices an untimed width pessimistically, so it
+#: would never be tried otherwise).
+EXPLORE_EVERY = 8
 
 
 @dataclass(eq=False)
@@ -78,6 +95,10 @@ class JacobiForcingProposer:
         #: when a dict (tests, debugging; set through ``LLM.collective_rpc``): request id -> ``{"prompt": [...],
         #: "drafts": [draft per step]}``, the drafts exactly as proposed
         self.record: dict | None = None
+        #: vLLM's step seconds by tokens forwarded (``draft_width: auto``)
+        self.step_times = StepTimes()
+        self._returned_at: float | None = None  # when propose_batch last returned
+        self._since_explored = 0  # steps since a width wider than any timed was tried
         vllm_internals.activate_recording(type(self))
 
     def load_model(self, *args, **kwargs) -> None:
@@ -128,8 +149,16 @@ class JacobiForcingProposer:
             one draft (``list[int]``, at most ``num_speculative_tokens``) per row; ``[]`` for a row that sampled
             nothing this step (a prefill chunk) or whose request drafts nothing.
         """
+        now = time.perf_counter()
         ver = view.verification
+        # the step since the last return forwarded one token per row plus the drafts vLLM verified; timed only when
+        # every row was a known request's decode step (a prefill in the step would be counted as its tokens)
+        if self._returned_at is not None and all(view.sampled[i] and rid in self.states
+                                                 for i, rid in enumerate(view.req_ids)):
+            tokens = sum(1 + (len(ver.drafts[i]) if ver is not None else 0) for i in range(len(view.req_ids)))
+            self.step_times.record(tokens, now - self._returned_at)
         drafts = []
+        auto = []  # rows whose drafts the width choice cuts
         for i, rid in enumerate(view.req_ids):
             emitted = view.sampled[i]
             req = self.states.get(rid)
@@ -157,10 +186,42 @@ class JacobiForcingProposer:
             draft = req.policy.propose(req.state, context).draft[: self.max_draft]
             req.drafted_at = len(context)
             drafts.append(draft)
-            if self.record is not None:
-                self.record.setdefault(rid, {"prompt": context[: view.prompt_lens[i]], "drafts": []})["drafts"].append(
-                    list(draft))
+            if draft and self.cfg.draft_width == "auto":
+                auto.append((i, req.policy, req.state))
+        if auto:
+            try:  # the width only decides how much is verified: never fail vLLM's step over it
+                self._cut(drafts, [(i, pol.draft_probs(st)[: len(drafts[i])]) for i, pol, st in auto])
+            except Exception as e:  # noqa: BLE001
+                logger.warning("megatron-jf: draft width choice failed (%s: %s); whole drafts this step",
+                               type(e).__name__, e)
+        if self.record is not None:
+            for rid, draft, i in zip(view.req_ids, drafts, range(len(drafts))):
+                if rid in self.states and self.states[rid].policy is not None and view.sampled[i]:
+                    self.record.setdefault(rid, {"prompt": view.context(i)[: view.prompt_lens[i]],
+                                                 "drafts": []})["drafts"].append(list(draft))
+        self._returned_at = time.perf_counter()
         return drafts
+
+    def _cut(self, drafts: list[list[int]], auto: list[tuple[int, list[float]]]) -> None:
+        """Cut the ``auto`` rows' drafts (``(row, acceptance by position)``) to the width that pays on vLLM's steps
+        as timed so far (see the module docstring); until two widths are timed: no drafts for the first steps, then
+        whole ones."""
+        cost = self.step_times.table()
+        if cost is None:
+            w = 0 if self.step_times.steps_at(len(drafts)) < self.step_times.min_steps else None
+        else:
+            rows = [[] for _ in drafts]
+            for i, probs in auto:
+                rows[i] = probs
+            w = choose_flat_width(cost, rows)
+            self._since_explored += 1
+            if self._since_explored >= EXPLORE_EVERY:  # a wider step than any timed, priced as the widest timed
+                w_try = choose_flat_width(self.step_times.table(optimistic=True), rows)
+                if w_try > w and sum(1 + min(w_try, len(d)) for d in drafts) > self.step_times.timed_up_to():
+                    w, self._since_explored = w_try, 0
+        if w is not None:
+            for i, _ in auto:
+                del drafts[i][w:]
 
 
 class WorkerExtension:
