@@ -17,18 +17,19 @@ tools' default decoder, ``mr`` with ``draft_width=auto`` (the width that pays on
 ``--block-size`` its ceiling) and context n-grams; ``mr-paper`` -- MR as Algorithm 1 runs it (K = ``--num-blocks``
 blocks of n, the whole draft every step, no context n-grams); ``jacobi-paper``. vLLM (``--vllm``, in
 ``--vllm-python``, default ``.venv-vllm``): ``ar``; ``ngram`` (vLLM's prompt lookup, 2-4 tokens, k=5); ``mr`` and
-``jacobi`` (this project's plugin: ``mr`` with context n-grams, K blocks of n as one linear draft; ``jacobi`` running
-window n).
+``jacobi`` (this project's plugin: ``mr`` with context n-grams, K blocks of n as one linear draft cut to the width
+that pays on vLLM's steps, the plugin's default ``draft_width: auto``; ``jacobi`` running window n).
 
 How it runs. One worker process per engine and vLLM system, each loading its model once and warming up (this
 project's first, alone, measuring its forward's cost or reading it from ``MEGATRON_JF_COST_CACHE``; ``--fresh-cost``
 measures it anew); then, for
 each round, batch and system (the order rotated every round), the driver asks one worker at a time to decode: batch
-1 runs the first ``--num-prompts`` problems one at a time, batch B the first B problems at once. Greedy, fp32, EOS
-stops, ``--max-new-tokens`` per request; times are wall seconds of the generate calls (prefill included; vLLM's
-prefix cache off, since the rounds repeat the same prompts), one
-thread per worker (``OMP_NUM_THREADS``, default 1). A system's ratio to another is the median over rounds of the
-per-round ratio (each round's systems ran minutes apart at most; on a shared machine compare ratios, not tok/s).
+1 runs the first ``--num-prompts`` problems one at a time, batch B the first B problems at once. Greedy, EOS stops,
+``--max-new-tokens`` per request, both engines in ``--dtype`` (fp32, or bf16 on a CPU with native bf16); times are
+wall seconds of the generate calls (prefill included; vLLM's prefix cache off, since the rounds repeat the same
+prompts), one thread per worker (``OMP_NUM_THREADS``, default 1). A system's ratio to another is the median over
+rounds of the per-round ratio (each round's systems ran minutes apart at most; on a shared machine compare ratios,
+not tok/s).
 
 Reported per model and batch: tok/s, the median ratios to this project's AR and to vLLM's AR, TPF (tokens per
 forward: this project's emitted tokens / decode forwards; vLLM's tokens / (tokens - accepted draft tokens), its
@@ -132,8 +133,11 @@ def _run_ours(args) -> None:
     parallel.set_seed(0)
     spec = json.load(open(args.spec))
     hf = AutoModelForCausalLM.from_pretrained(spec["hf"], dtype=torch.float32).eval()
-    eng = common.engine(mcore_twin(hf))
+    model = mcore_twin(hf)
     del hf
+    if args.dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    eng = common.engine(model)
     cfgs = {s: c for s, c in configs(args.block_size, args.num_blocks).items() if s in args.ours.split(",")}
     eos = frozenset(tokenizer_eos_ids(spec["hf"]))
     t0 = time.perf_counter()
@@ -173,7 +177,8 @@ def _run_vllm(args) -> None:
     ctx = json.load(open(os.path.join(spec["hf"], "config.json"))).get("max_position_embeddings") or 2048
     # prefix caching off: the rounds repeat the same prompts, which a prefix cache would serve from memory after the
     # first (with it on, vLLM's later rounds skipped their prefill while this project's engine ran it)
-    llm = LLM(spec["hf"], dtype="float32", max_model_len=min(2048, int(ctx)), enforce_eager=True,
+    llm = LLM(spec["hf"], dtype={"fp32": "float32", "bf16": "bfloat16"}[args.dtype],
+              max_model_len=min(2048, int(ctx)), enforce_eager=True,
               disable_log_stats=False, kv_cache_memory_bytes=1 << 30, seed=0, enable_prefix_caching=False,
               **({} if sc is None else {"speculative_config": sc}))
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
@@ -240,7 +245,7 @@ class _Worker:
 def _common(args) -> list[str]:
     return ["--models", args.models, "--batches", ",".join(map(str, args.batches)), "--num-prompts",
             str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens), "--block-size", str(args.block_size),
-            "--num-blocks", str(args.num_blocks), "--ours", args.ours,
+            "--num-blocks", str(args.num_blocks), "--ours", args.ours, "--dtype", args.dtype,
             *([] if args.model_a is None else ["--model-a", args.model_a])]
 
 
@@ -321,6 +326,8 @@ def build_parser():
                           help="decoding: block size n (the auto width's ceiling; Jacobi draft; MR block), MR blocks K")
     p.add_argument("--ours", default="ar,default,mr-paper", help=f"this project's systems, of {','.join(OURS_SYSTEMS)}")
     p.add_argument("--vllm", default="ar,ngram,mr", help=f"vLLM's systems, of {','.join(VLLM_SYSTEMS)} (none: '')")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="weights and activations of both engines (bf16: on a CPU with native bf16 only)")
     p.add_argument("--fresh-cost", action="store_true", help="measure the forward's cost now instead of reading "
                    "MEGATRON_JF_COST_CACHE (and do not keep it)")
     p.add_argument("--ours-python", default=os.path.join(REPO, ".venv", "bin", "python"),
@@ -349,6 +356,12 @@ def main(argv=None):
     for s in vllm:
         if s not in VLLM_SYSTEMS:
             raise SystemExit(f"error: unknown --vllm system {s!r}; choose from {', '.join(VLLM_SYSTEMS)}")
+    if args.dtype == "bf16":
+        from megatron_jf.precision import cpu_bf16_supported
+
+        if not cpu_bf16_supported():
+            raise SystemExit("error: --dtype bf16 needs a CPU with native bf16 (AVX-512 BF16 or AMX); this one has "
+                             "neither")
     for py in (args.ours_python, *([args.vllm_python] if vllm else [])):
         if not os.path.exists(py):
             raise SystemExit(f"error: {py} does not exist (bash scripts/bootstrap.sh; "
