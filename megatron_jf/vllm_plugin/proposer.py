@@ -195,7 +195,7 @@ class JacobiForcingProposer:
                 logger.warning("megatron-jf: draft width choice failed (%s: %s); whole drafts this step",
                                type(e).__name__, e)
         if self.record is not None:
-            for rid, draft, i in zip(view.req_ids, drafts, range(len(drafts))):
+            for i, (rid, draft) in enumerate(zip(view.req_ids, drafts)):
                 if rid in self.states and self.states[rid].policy is not None and view.sampled[i]:
                     self.record.setdefault(rid, {"prompt": view.context(i)[: view.prompt_lens[i]],
                                                  "drafts": []})["drafts"].append(list(draft))
