@@ -87,6 +87,26 @@ def test_lean_equals_megatron_with_kv_cache_tree_mask_and_ragged_rows(pairs, nam
     torch.testing.assert_close(outs["lean"][2][0, 0], ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kinds", [("transposed", "linear"), ("transposed", "packed"), ("linear", "packed")])
+def test_a_row_is_the_same_whichever_kernel_its_row_count_takes_under_bf16_autocast(kinds, mp1):
+    """fp32 weights under bf16 autocast (``bench/decode_precision.py``'s third mode), the QKV product with its bias:
+    a one-row product through one kernel equals each row of a 4-row product through another, bit for bit -- so a
+    draft's rows are the AR step's, whatever kernels the measured choice gives the two row counts (with F.linear's
+    fused bias the sum was rounded to bf16 where ``x @ W_t + bias`` was not, and the decoders parted from AR)."""
+    from megatron_jf.inference import lean_forward
+    from megatron_jf.precision import autocast
+
+    _, m = _pair("qwen2", False, seed=3)
+    lf = lean_forward.lean_forward_for(m)
+    L = lf.layers[0]
+    assert L.qkv_b is not None
+    x = torch.randn(4, L.qkv_w.shape[1], generator=torch.Generator().manual_seed(0))
+    with autocast(torch.bfloat16), torch.no_grad():
+        one = torch.cat([lf._linear(x[i:i + 1], L.qkv_w, L.names[0], L.qkv_b, kind=kinds[0]) for i in range(4)])
+        four = lf._linear(x, L.qkv_w, L.names[0], L.qkv_b, kind=kinds[1])
+    assert one.dtype == four.dtype and torch.equal(one, four)
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_one_row_products_take_the_packed_weights(dtype, monkeypatch, mp1):
     """One-row (AR step) products go through oneDNN's packed copy where it pays: bf16 weights always (native bf16

@@ -227,21 +227,29 @@ class LeanForward:
             return F.linear(x, w, bias)
         key = (w._version, w.data_ptr(), w.dtype)
         kind = kind or self.kernel(w, x.numel() // x.shape[-1])
+        # the bias is added after the product whatever the kernel (but bf16's one packed kernel, fused), so a row's
+        # value does not hang on the kernel its row count took: under bf16 autocast F.linear's fused bias rounds the
+        # sum to bf16 where ``x @ W_t + bias`` adds the fp32 bias to the bf16 product, and a draft's rows would
+        # part from the AR step's at near-ties
         if kind == "linear":
-            return F.linear(x, w, bias)
-        if kind == "packed":  # see _gemv_policy
+            y = F.linear(x, w)
+        elif kind == "packed":  # see _gemv_policy
             if not self.packed or x.dtype != w.dtype or torch.is_autocast_enabled("cpu"):
-                return F.linear(x, w, bias)
-            hit = self._wp.get(name)
+                y = F.linear(x, w)
+            else:
+                hit = self._wp.get(name)
+                if hit is None or hit[0] != key:
+                    hit = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64))
+                    self._wp[name] = hit
+                if w.dtype == torch.bfloat16:
+                    return torch.ops.mkldnn._linear_pointwise(x, hit[1], bias, "none", [], "")
+                y = torch.ops.mkldnn._linear_pointwise(x, hit[1], None, "none", [], "")
+        else:
+            hit = self._wt.get(name)
             if hit is None or hit[0] != key:
-                hit = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64))
-                self._wp[name] = hit
-            return torch.ops.mkldnn._linear_pointwise(x, hit[1], bias, "none", [], "")
-        hit = self._wt.get(name)
-        if hit is None or hit[0] != key:
-            hit = (key, w.detach().t().contiguous())
-            self._wt[name] = hit
-        y = x @ hit[1]
+                hit = (key, w.detach().t().contiguous())
+                self._wt[name] = hit
+            y = x @ hit[1]
         return y if bias is None else y + bias
 
     def products(self) -> dict[tuple[int, int], list[tuple[str, torch.Tensor]]]:
