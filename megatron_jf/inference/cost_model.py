@@ -217,16 +217,16 @@ def calibrate_products(lean, *, rows: tuple[int, ...] = PRODUCT_ROWS, reps: int 
     weight of that shape in turn -- as a forward reads them, so the weights come from memory as they do there --
     by each kernel (``transposed``; ``packed`` where oneDNN packing is on; ``linear``), the kernels interleaved,
     the fastest of ``reps`` passes after a warm-up; :func:`choose_kernels` keeps the default unless another saves
-    more than :data:`PACKING_MIN_SAVING`. On an Intel Xeon with AMX this moved SmolLM2-135M's 1,536-input MLP
-    weight to ``F.linear`` at 1-3 rows and its attention products at 2-3 rows; a 256-hidden model's multi-row
-    products to the transposed copies.
+    more than :data:`PACKING_MIN_SAVING`. On an Intel Xeon with AMX this moved SmolLM2-135M's attention and
+    1,536-input MLP products to ``F.linear`` at 2-3 rows (the MLP one at 1 row too, in two runs of three) and back
+    to the transposed copies from 24-64 rows (``docs/results.md``).
 
     Returns:
         ``{"products": {"OUTxIN": [[from_rows, kernel], ...]}}`` as set, or None where there is nothing to choose
         (no lean forward, weights not fp32 on a CPU, no CPU weight copies).
 
     Raises:
-        nothing of its own; an error of a product propagates (the kernels measured so far are kept).
+        nothing of its own; an error of a product propagates (nothing is set then).
     """
     if lean is None or lean.emb.weight.device.type != "cpu" or lean.emb.weight.dtype != torch.float32:
         return None
