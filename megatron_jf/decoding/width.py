@@ -435,7 +435,8 @@ class StepTimes:
 
     Each step records its tokens and seconds; token counts are bucketed (exact up to 8, then by powers of two) and
     each bucket keeps its last :attr:`window` steps, whose medians (tokens, seconds) are the curve's points (a
-    median: a step that waited for a shared core, or a first call, must not set it).
+    median: a step that waited for a shared core, or a first call, must not set it). Not from the paper (its widths
+    are fixed, chosen offline in Appendix E): the on-line choice, as :class:`StepCalibration`.
 
     Args:
         window: steps kept per bucket.
