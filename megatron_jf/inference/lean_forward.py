@@ -225,7 +225,6 @@ class LeanForward:
     def _linear(self, x, w, name: str, bias=None, kind: str | None = None):
         if name not in self.gemv_transposed:
             return F.linear(x, w, bias)
-        key = (w._version, w.data_ptr(), w.dtype)
         kind = kind or self.kernel(w, x.numel() // x.shape[-1])
         # the bias is added after the product whatever the kernel (but bf16's one packed kernel, fused), so a row's
         # value does not hang on the kernel its row count took: under bf16 autocast F.linear's fused bias rounds the
@@ -237,6 +236,7 @@ class LeanForward:
             if not self.packed or x.dtype != w.dtype or torch.is_autocast_enabled("cpu"):
                 y = F.linear(x, w)
             else:
+                key = (w._version, w.data_ptr(), w.dtype)
                 hit = self._wp.get(name)
                 if hit is None or hit[0] != key:
                     hit = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64))
@@ -245,6 +245,7 @@ class LeanForward:
                     return torch.ops.mkldnn._linear_pointwise(x, hit[1], bias, "none", [], "")
                 y = torch.ops.mkldnn._linear_pointwise(x, hit[1], None, "none", [], "")
         else:
+            key = (w._version, w.data_ptr(), w.dtype)
             hit = self._wt.get(name)
             if hit is None or hit[0] != key:
                 hit = (key, w.detach().t().contiguous())
