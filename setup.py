@@ -43,6 +43,7 @@ setup(
     version="0.1.0",
     description="Jacobi Forcing: causal parallel decoding, trained with megatron-core",
     packages=find_packages(include=["megatron_jf", "megatron_jf.*"]),
+    package_data={"megatron_jf.inference": ["csrc/*.c"]},  # the lean forward's CPU glue, compiled at first use
     python_requires=">=3.10",
     install_requires=CORE,
     extras_require=EXTRAS,

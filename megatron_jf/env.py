@@ -126,6 +126,10 @@ VARIABLES: dict[str, Var] = _variables(
     Var("MEGATRON_JF_LEAN_PACKED", "switch", True,
         "off: multi-row products on CPU through `F.linear` instead of oneDNN on packed weight copies",
         values="`0`", shown_default="on where torch has oneDNN"),
+    Var("MEGATRON_JF_CPU_GLUE", "switch", True,
+        "off: the lean forward's fp32 CPU glue (norms, RoPE, SwiGLU) as torch ops instead of the C library it builds "
+        "once per machine (`megatron_jf/inference/cpu_glue.py`)", values="`0`",
+        shown_default="on where a C compiler builds it"),
     Var("MEGATRON_JF_MR_VERIFY", "choice", "auto",
         "how MR verifies recycled candidates (`megatron_jf/inference/mr_verify.py`)",
         choices=("auto", "tree", "pruned"), shown_default="pruned on CPU, tree on CUDA"),
@@ -213,6 +217,11 @@ def lean_gemv(environ=None) -> str | None:
 def lean_packed(environ=None) -> bool:
     """``MEGATRON_JF_LEAN_PACKED``: oneDNN-packed weight copies for multi-row CPU products (default on)."""
     return get("MEGATRON_JF_LEAN_PACKED", environ)
+
+
+def cpu_glue(environ=None) -> bool:
+    """``MEGATRON_JF_CPU_GLUE``: the lean forward's C glue on CPU (default on)."""
+    return get("MEGATRON_JF_CPU_GLUE", environ)
 
 
 def mr_verify(environ=None) -> str:

@@ -97,6 +97,10 @@ def cost_key(model, impl: str) -> dict:
     lean = getattr(m, "_jf_lean_forward", None)
     if impl != "megatron" and lean is not None:
         impl = f"{impl} (weight copies for {len(lean.gemv_transposed)} products, packed: {lean.packed})"
+        if p.device.type == "cpu" and p.dtype == torch.float32:
+            from megatron_jf.inference import cpu_glue
+
+            impl += f", C glue: {cpu_glue.load() is not None}"
     return {"model": shape, "dtype": str(p.dtype).replace("torch.", ""), "device": _device_name(p.device),
             "threads": torch.get_num_threads(), "impl": impl, "tp": tp, "context": CONTEXT, "version": VERSION}
 

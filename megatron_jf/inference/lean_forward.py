@@ -30,6 +30,8 @@ copies off; all are read in :mod:`megatron_jf.inference.options`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -148,6 +150,9 @@ class LeanForward:
         #: up to the products' rounding.
         self.kernels: dict[tuple[int, int], tuple[tuple[int, str], ...]] = {}
         self._wp: dict[str, tuple] = {}
+        #: the C glue for fp32 CPU forwards (:mod:`megatron_jf.inference.cpu_glue`): False until first needed, then
+        #: the loaded library or None (off, or no compiler)
+        self.glue = False
 
     def set_packed(self, on: bool) -> None:
         """Multi-row products through the oneDNN-packed copies (``on``, where there are transposed copies and torch's
@@ -354,6 +359,10 @@ class LeanForward:
                 causal = True
             else:
                 sdpa_mask = ~mask
+            attend = functools.partial(_sdpa, mask=sdpa_mask, causal=causal, scale=self.scale, gqa=gqa)
+        glue = self._glue_for(x)
+        if glue is not None:
+            return self._hidden_glue(glue, x, cos, sin, attend)
         for slot, L in enumerate(self.layers):
             h = F.rms_norm(x, L.ln1.shape, L.ln1, L.eps1)
             qkv = self._linear(h, L.qkv_w, L.names[0], L.qkv_b).view(b, s, ng, (qpg + 2) * hd)
@@ -363,16 +372,50 @@ class LeanForward:
             v = v.transpose(1, 2)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            if attend is not None:
-                o = attend(slot, q, k, v)
-            else:
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, is_causal=causal,
-                                                   scale=self.scale, enable_gqa=gqa)
-            o = o.transpose(1, 2).reshape(b, s, nh * hd)
+            o = attend(slot, q, k, v).transpose(1, 2).reshape(b, s, nh * hd)
             x = x + self._all_reduce(self._linear(o, L.proj_w, L.names[1]))
             h = F.rms_norm(x, L.ln2.shape, L.ln2, L.eps2)
             gate, up = torch.chunk(self._linear(h, L.fc1_w, L.names[2]), 2, dim=-1)
             x = x + self._all_reduce(self._linear(F.silu(gate) * up, L.fc2_w, L.names[3]))
+        return x
+
+    def _glue_for(self, x: torch.Tensor):
+        """The C glue (:mod:`megatron_jf.inference.cpu_glue`) where this forward can take it: fp32 weights and
+        activations on CPU, outside autograd and autocast, and the library built (:attr:`glue`, loaded once)."""
+        if x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
+            return None
+        if self.layers[0].qkv_w.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
+            return None
+        if self.glue is False:
+            from megatron_jf.inference import cpu_glue
+
+            self.glue = cpu_glue.load()
+        return self.glue
+
+    def _hidden_glue(self, glue, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
+        """:meth:`hidden`'s layers with the C glue: each layer is its four products, attention and three glue calls
+        on buffers allocated once per forward; the residual stream ``x`` is updated in place."""
+        b, s, hid = x.shape
+        hd, nh, ng, qpg = self.hd, self.nh, self.ng, self.qpg
+        cos = cos.reshape(b, s, hd).contiguous()  # [b, 1, s, hd] tables, one row per token
+        sin = sin.reshape(b, s, hd).contiguous()
+        h = torch.empty_like(x)
+        q, k, v = x.new_empty(b, nh, s, hd), x.new_empty(b, ng, s, hd), x.new_empty(b, ng, s, hd)
+        act, r = None, None
+        fp32_eps = torch.finfo(torch.float32).eps  # torch.nn.RMSNorm's eps=None
+        for slot, L in enumerate(self.layers):
+            glue.add_rmsnorm(x, r, L.ln1, h, fp32_eps if L.eps1 is None else L.eps1)
+            glue.rope_split_qkv(self._linear(h, L.qkv_w, L.names[0], L.qkv_b), cos, sin, q, k, v, ng, qpg, hd)
+            o = attend(slot, q, k, v).transpose(1, 2).reshape(b, s, nh * hd)
+            glue.add_rmsnorm(x, self._all_reduce(self._linear(o, L.proj_w, L.names[1])), L.ln2, h,
+                             fp32_eps if L.eps2 is None else L.eps2)
+            gu = self._linear(h, L.fc1_w, L.names[2])
+            if act is None:
+                act = gu.new_empty(b, s, gu.shape[-1] // 2)
+            glue.silu_mul(gu, act)
+            r = self._all_reduce(self._linear(act, L.fc2_w, L.names[3]))
+        if r is not None:
+            glue.add(x, r)
         return x
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
@@ -407,6 +450,12 @@ def _onednn_packing_works() -> bool:
         except (AttributeError, RuntimeError, NotImplementedError):
             _PACKING = False
     return _PACKING
+
+
+def _sdpa(slot, q, k, v, *, mask, causal, scale, gqa):
+    """Attention without a KV cache: causal, or ``mask`` (True = attend); q ``[b, nh, s, hd]``, k/v ``[b, ng, s,
+    hd]``."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
 
 
 def _rotate_half(x):

@@ -1,0 +1,160 @@
+"""The lean forward's C glue (megatron_jf/inference/cpu_glue.py, csrc/glue.c): equal to the torch ops it replaces up to
+rounding, row-invariant (a token's bits do not depend on the tokens beside it: the decoders' losslessness), taken
+by fp32 CPU forwards only, and off cleanly (switch, no compiler, a failing build)."""
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_jf.inference import cpu_glue
+
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+
+
+@pytest.fixture
+def glue():
+    g = cpu_glue.load()
+    assert g is not None, "a C compiler is here but the glue did not build (see the log)"
+    return g
+
+
+def _rope_ref(qkv, cos, sin, ng, qpg, hd):
+    b, s = qkv.shape[:2]
+    q, k, v = torch.split(qkv.view(b, s, ng, (qpg + 2) * hd), [qpg * hd, hd, hd], dim=3)
+    c4, s4 = cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def rot(t):
+        t1, t2 = torch.chunk(t, 2, dim=-1)
+        return t * c4 + torch.cat((-t2, t1), dim=-1) * s4
+
+    return rot(q.reshape(b, s, ng * qpg, hd).transpose(1, 2)), rot(k.transpose(1, 2)), v.transpose(1, 2)
+
+
+def _run(glue, x, r, w, qkv, cos, sin, gu, ng, qpg, hd):
+    b, s = x.shape[:2]
+    x = x.clone()
+    h = torch.empty_like(x)
+    glue.add_rmsnorm(x, r, w, h, 1e-6)
+    q, k, v = torch.empty(b, ng * qpg, s, hd), torch.empty(b, ng, s, hd), torch.empty(b, ng, s, hd)
+    glue.rope_split_qkv(qkv, cos, sin, q, k, v, ng, qpg, hd)
+    act = torch.empty(b, s, gu.shape[-1] // 2)
+    glue.silu_mul(gu, act)
+    return x, h, q, k, v, act
+
+
+def _case(b, s, hid, ng, qpg, hd, ff, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ang = torch.randn(b, s, hd, generator=g) * 3
+    return dict(x=torch.randn(b, s, hid, generator=g), r=torch.randn(b, s, hid, generator=g),
+                w=torch.randn(hid, generator=g), qkv=torch.randn(b, s, ng * (qpg + 2) * hd, generator=g),
+                cos=ang.cos(), sin=ang.sin(),
+                # gate values out to +-120: exp's clamped range and silu's tails
+                gu=torch.randn(b, s, 2 * ff, generator=g) * torch.tensor([40.0] * ff + [1.0] * ff))
+
+
+@needs_cc
+@pytest.mark.parametrize("shape", [(2, 5, 576, 3, 3, 64, 1536), (1, 1, 37, 1, 1, 8, 19), (3, 4, 64, 2, 4, 16, 96),
+                                   (1, 7, 1000, 4, 1, 32, 250)])
+def test_glue_equals_the_torch_ops(glue, shape):
+    b, s, hid, ng, qpg, hd, ff = shape
+    c = _case(*shape)
+    x, h, q, k, v, act = _run(glue, **c, ng=ng, qpg=qpg, hd=hd)
+    rq, rk, rv = _rope_ref(c["qkv"], c["cos"], c["sin"], ng, qpg, hd)
+    gate, up = torch.chunk(c["gu"], 2, dim=-1)
+    torch.testing.assert_close(x, c["x"] + c["r"], rtol=0, atol=0)  # one rounding, as torch's add
+    torch.testing.assert_close(h, F.rms_norm(c["x"] + c["r"], (hid,), c["w"], 1e-6), rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(q, rq, rtol=0, atol=0)  # the same products and sum, each rounded as written
+    torch.testing.assert_close(k, rk, rtol=0, atol=0)
+    assert torch.equal(v, rv)
+    torch.testing.assert_close(act, F.silu(gate) * up, rtol=3e-6, atol=1e-6)
+    # without a residual: the norm of x alone
+    h2 = torch.empty_like(h)
+    glue.add_rmsnorm(c["x"].clone(), None, c["w"], h2, 1e-6)
+    torch.testing.assert_close(h2, F.rms_norm(c["x"], (hid,), c["w"], 1e-6), rtol=2e-6, atol=2e-6)
+
+
+@needs_cc
+def test_a_tokens_glue_values_do_not_depend_on_the_tokens_beside_it(glue):
+    """Seven tokens in one call and each token alone (as a one-token AR step) give the same bits."""
+    ng, qpg, hd = 3, 3, 64
+    c = _case(1, 7, 576, ng, qpg, hd, 1536, seed=3)
+    together = _run(glue, **c, ng=ng, qpg=qpg, hd=hd)
+    for t in range(7):
+        alone = _run(glue, **{k: (v if k == "w" else v[:, t:t + 1].contiguous()) for k, v in c.items()},
+                     ng=ng, qpg=qpg, hd=hd)
+        for i, (a, b) in enumerate(zip(alone, together)):
+            part = b[:, :, t:t + 1] if i in (2, 3, 4) else b[:, t:t + 1]  # q/k/v are [b, heads, s, hd]
+            assert torch.equal(a, part), f"output {i} of token {t}"
+
+
+def _tiny(family="llama", tied=True, seed=2):
+    from megatron_jf.models.convert import hf_to_mcore
+    from megatron_jf.models.gpt import build_model
+    from megatron_jf.models.hf_config import ModelArgs
+    from megatron_jf.models.zoo import tiny_hf_model
+
+    hf = tiny_hf_model(family, tied=tied, seed=seed, scale=0.2)
+    args = ModelArgs.from_hf_dict(hf.config.to_dict())
+    m = build_model(args).eval()
+    m.load_state_dict(hf_to_mcore(hf.state_dict(), args), strict=False)
+    return m
+
+
+@needs_cc
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_the_lean_forward_takes_the_glue_for_fp32_cpu_forwards_only(mp1, family, monkeypatch):
+    from megatron_jf.inference.forward import forward_logits
+    from megatron_jf.inference.lean_forward import lean_forward_for
+
+    m = _tiny(family, tied=family == "llama")
+    lf = lean_forward_for(m)
+    calls = []
+    real = cpu_glue.Glue.silu_mul
+    monkeypatch.setattr(cpu_glue.Glue, "silu_mul", lambda self, *a: (calls.append(1), real(self, *a))[1])
+    toks = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(9).expand(2, 9)
+    with_glue = forward_logits(m, toks, pos, impl="lean")
+    assert lf.glue is not None and len(calls) == len(lf.layers)
+    saved, lf.glue = lf.glue, None  # None: the torch ops
+    without = forward_logits(m, toks, pos, impl="lean")
+    lf.glue = saved
+    torch.testing.assert_close(with_glue, without, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(with_glue, forward_logits(m, toks, pos, impl="megatron"), rtol=1e-5, atol=1e-5)
+    calls.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 products: the torch ops
+        forward_logits(m, toks, pos, impl="lean")
+    with torch.enable_grad():  # the glue writes through data pointers, outside autograd
+        lf.hidden(toks, pos)
+    assert calls == []
+
+
+def test_the_glue_is_off_by_switch_and_where_it_cannot_be_built(mp1, monkeypatch, caplog, tmp_path):
+    from megatron_jf.inference.cost_model import cost_key
+    from megatron_jf.inference.forward import forward_logits
+    from megatron_jf.inference.lean_forward import lean_forward_for
+
+    monkeypatch.setattr(cpu_glue, "_LOADED", {})
+    monkeypatch.setenv("MEGATRON_JF_CPU_GLUE", "0")
+    assert cpu_glue.load() is None
+    monkeypatch.delenv("MEGATRON_JF_CPU_GLUE")
+    monkeypatch.setenv("MEGATRON_JF_COST_CACHE", str(tmp_path))
+    bad = tmp_path / "cc"
+    bad.write_text("#!/bin/sh\necho 'cc: internal error' >&2\nexit 1\n")
+    bad.chmod(0o755)
+    monkeypatch.setenv("CC", str(bad))
+    with caplog.at_level("WARNING", logger="megatron_jf.inference.cpu_glue"):
+        assert cpu_glue.load() is None
+    assert "internal error" in caplog.text and not list((tmp_path / "glue").glob("*.so"))
+    m = _tiny()
+    toks = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(6).expand(1, 6)
+    torch.testing.assert_close(forward_logits(m, toks, pos, impl="lean"),
+                               forward_logits(m, toks, pos, impl="megatron"), rtol=1e-5, atol=1e-5)
+    assert lean_forward_for(m).glue is None
+    # the measured cost of a forward is kept per glue (the same model, with and without)
+    off = cost_key(m, "lean")["impl"]
+    if shutil.which("cc"):
+        monkeypatch.delenv("CC")
+        monkeypatch.setattr(cpu_glue, "_LOADED", {})
+        assert cost_key(m, "lean")["impl"] != off
