@@ -88,6 +88,30 @@ def test_a_tokens_glue_values_do_not_depend_on_the_tokens_beside_it(glue):
             assert torch.equal(a, part), f"output {i} of token {t}"
 
 
+@needs_cc
+@pytest.mark.parametrize("n,k", [(960, 576), (37, 19), (5 * 32, 64), (9 * 32 + 7, 33)])
+def test_skinny_products_equal_the_sequential_sum_and_do_not_depend_on_the_rows(glue, n, k):
+    """Every output element is the sequential fp32 sum over k (checked against a float64 reference and against
+    itself computed alone): 1-11 rows (four at a time, then the rest), panels four / two / one at a time, and the
+    columns past the last full panel."""
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g)
+    panels = glue.pack_panels(w)
+    assert panels.shape == (n // 32, k, 32)
+    x = torch.randn(11, k, generator=g)
+    for rows in (1, 2, 3, 4, 5, 7, 11):
+        y = glue.skinny_mm(x[:rows].contiguous(), panels, w)
+        torch.testing.assert_close(y.double(), x[:rows].double() @ w.double().T, rtol=1e-5, atol=k * 1e-6)
+        for r in range(rows):
+            alone = glue.skinny_mm(x[r:r + 1].contiguous(), panels, w)
+            assert torch.equal(alone[0], y[r]), f"row {r} of {rows}"
+    # the order of the sum is k's: one column by hand
+    acc = torch.zeros((), dtype=torch.float32)
+    for j in range(k):
+        acc = acc + x[0, j] * w[n - 1, j]
+    assert torch.equal(glue.skinny_mm(x[:1].contiguous(), panels, w)[0, n - 1], acc)
+
+
 def _tiny(family="llama", tied=True, seed=2):
     from megatron_jf.models.convert import hf_to_mcore
     from megatron_jf.models.gpt import build_model

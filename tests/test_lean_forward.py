@@ -44,7 +44,7 @@ def test_lean_equals_megatron_and_transformers_no_cache(pairs, name):
                                forward_logits(m, toks, pos2, allowed=allowed, impl="megatron"), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["default-packed", "default-transposed", "transposed", "packed", "linear"])
+@pytest.mark.parametrize("kind", ["default-packed", "default-transposed", "transposed", "packed", "linear", "skinny"])
 @pytest.mark.parametrize("name", ["qwen2", "llama-tied"])
 def test_lean_equals_megatron_with_kv_cache_tree_mask_and_ragged_rows(pairs, name, kind, monkeypatch):
     """Prefill (causal kernel), ragged committed lengths, a tree mask and a one-row step, both paths; the products

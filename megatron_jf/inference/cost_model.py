@@ -66,8 +66,8 @@ PACKING_MIN_SAVING = 0.02
 #: Bump when the measurement or the forward it times changes (old cache files are then ignored). 6: bf16 one-row
 #: products through oneDNN's packed weights (lean forward); 7: large fp32 one-row products too; 8: every bf16 product;
 #: 9: the fp32 packing choices measured; 10: the fp32 kernel measured per weight shape and rows
-#: (``about["products"]``).
-VERSION = 10
+#: (``about["products"]``); 11: the lean forward's C glue (its cost differs; the key names it).
+VERSION = 11
 
 
 def _device_name(device: torch.device) -> str:
@@ -219,7 +219,8 @@ def calibrate_products(lean, *, rows: tuple[int, ...] = PRODUCT_ROWS, reps: int 
 
     For each weight shape with CPU copies, a product of ``r`` random rows (``r`` in ``rows``) is run through every
     weight of that shape in turn -- as a forward reads them, so the weights come from memory as they do there --
-    by each kernel (``transposed``; ``packed`` where oneDNN packing is on; ``linear``), the kernels interleaved,
+    by each kernel (``transposed``; ``packed`` where oneDNN packing is on; ``linear``; ``skinny`` where the C glue
+    is built), the kernels interleaved,
     the fastest of ``reps`` passes after a warm-up; :func:`choose_kernels` keeps the default unless another saves
     more than :data:`PACKING_MIN_SAVING`. On an Intel Xeon with AMX this moved SmolLM2-135M's attention and
     1,536-input MLP products to ``F.linear`` at 2-3 rows (the MLP one at 1 row too, in two runs of three) and back
@@ -238,6 +239,9 @@ def calibrate_products(lean, *, rows: tuple[int, ...] = PRODUCT_ROWS, reps: int 
     if not shapes:
         return None
     kinds = ["transposed", "linear"] + (["packed"] if lean.packed else [])
+    with torch.no_grad():
+        if lean._glue_for(lean.emb.weight.new_empty(1)) is not None:
+            kinds.append("skinny")
     gen = torch.Generator().manual_seed(0)
     chosen = {}
     with torch.no_grad():

@@ -6,6 +6,9 @@ own code and data evicted from the caches: measured on an Intel Xeon (one thread
 layer of :class:`~megatron_jf.inference.lean_forward.LeanForward` runs about 30 such ops between its four products.
 Here they are :func:`Glue.add_rmsnorm` (residual add and RMSNorm), :func:`Glue.rope_split_qkv` (split the QKV
 product, RoPE on q and k) and :func:`Glue.silu_mul` (SwiGLU), called through ``ctypes`` on preallocated fp32 tensors.
+:func:`Glue.skinny_mm` is a product kernel for a few rows (the lean forward's ``skinny`` kernel, taken per weight
+shape and row count where :func:`~megatron_jf.inference.cost_model.calibrate_products` measures it fastest): MKL and
+oneDNN read a weight from memory markedly slower for 2-4 rows than for one, this kernel nearly as fast.
 
 Exactness: each token's values come from the same loop in the same order whatever the number of tokens in the
 forward, so drafting and verification rows stay bit-equal to the AR step's (the decoders' losslessness), as with
@@ -58,7 +61,11 @@ class Glue:
         self._rope.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I]
         self._silu_mul = lib.jf_silu_mul
         self._silu_mul.argtypes = [_P, _P, _I, _I]
-        for f in (self._add_rmsnorm, self._add, self._rope, self._silu_mul):
+        self._pack = lib.jf_pack_panels
+        self._pack.argtypes = [_P, _P, _I, _I]
+        self._skinny = lib.jf_skinny_mm
+        self._skinny.argtypes = [_P, _P, _P, _P, _I, _I, _I]
+        for f in (self._add_rmsnorm, self._add, self._rope, self._silu_mul, self._pack, self._skinny):
             f.restype = None
 
     def add_rmsnorm(self, x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, out: torch.Tensor,
@@ -89,6 +96,28 @@ class Glue:
         ff = out.shape[-1]
         self._silu_mul(gu.data_ptr(), out.data_ptr(), out.numel() // ff, ff)
 
+
+    def pack_panels(self, w: torch.Tensor) -> torch.Tensor:
+        """The copy of ``w`` ``[N, K]`` (contiguous fp32) that :meth:`skinny_mm` reads: ``[N // 32, K, 32]``, the
+        columns of ``W^T`` 32 at a time, each panel contiguous (the last ``N % 32`` columns are read from ``w``)."""
+        n, k = w.shape
+        panels = torch.empty(n // PANEL, k, PANEL)
+        self._pack(w.data_ptr(), panels.data_ptr(), n, k)
+        return panels
+
+    def skinny_mm(self, x: torch.Tensor, panels: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``x @ w.T`` ``[..., N]`` for ``x`` ``[..., K]`` (contiguous fp32) through ``panels`` (:meth:`pack_panels`
+        of ``w``). Each output element is the sequential fp32 sum over ``k`` of ``x[r, k] * w[n, k]``, so a row's
+        bits do not depend on the rows beside it; fast for a few rows (the weight is read once per four rows, from
+        several panels at a time)."""
+        n, k = w.shape
+        y = x.new_empty(*x.shape[:-1], n)
+        self._skinny(x.data_ptr(), panels.data_ptr(), w.data_ptr(), y.data_ptr(), x.numel() // k, n, k)
+        return y
+
+
+#: output columns per panel of :meth:`Glue.pack_panels` (``PANEL`` in ``csrc/glue.c``)
+PANEL = 32
 
 _LOADED: dict[str, Glue | None] = {}
 
@@ -167,7 +196,9 @@ def _check(glue: Glue) -> None:
     act = torch.empty(b, s, ff)
     glue.silu_mul(gu, act)
     gate, up = torch.chunk(gu, 2, dim=-1)
-    checks = {"add": (x2, x + r), "rmsnorm": (out, ref), "rope q": (q, rq), "rope k": (k, rk),
+    w3 = torch.randn(5 * PANEL + 5, hid, generator=g)
+    prod = glue.skinny_mm(x, glue.pack_panels(w3), w3)
+    checks = {"skinny_mm": (prod, x @ w3.T), "add": (x2, x + r), "rmsnorm": (out, ref), "rope q": (q, rq), "rope k": (k, rk),
               "v": (v, rv.transpose(1, 2)), "silu_mul": (act, F.silu(gate) * up)}
     for name, (got, want) in checks.items():
         if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):

@@ -83,8 +83,9 @@ PACKED_MIN_MACS = 1 << 19
 
 #: The ways a product runs on CPU (``LeanForward.kernels``): ``transposed`` -- ``x @ W_t`` through a ``[in, out]``
 #: copy (MKL's sgemm), ``packed`` -- oneDNN's linear on a copy packed for it, ``linear`` -- ``F.linear`` on the weight
-#: itself (MKL, no copy).
-PRODUCT_KERNELS = ("transposed", "packed", "linear")
+#: itself (MKL, no copy), ``skinny`` -- this project's kernel for a few rows on a copy in 32-column panels
+#: (:meth:`megatron_jf.inference.cpu_glue.Glue.skinny_mm`; fp32 forwards with the C glue, else ``linear``).
+PRODUCT_KERNELS = ("transposed", "packed", "linear", "skinny")
 
 #: fp32 one-row products through weights of at least this many elements take the packed copy until measured: oneDNN
 #: reads a large packed weight faster than ``x @ W_t`` (SmolLM2-135M's 49,152 x 960 output layer at one row: 4.9 ms
@@ -150,6 +151,7 @@ class LeanForward:
         #: up to the products' rounding.
         self.kernels: dict[tuple[int, int], tuple[tuple[int, str], ...]] = {}
         self._wp: dict[str, tuple] = {}
+        self._wk: dict[str, tuple] = {}  # panel copies for the skinny kernel
         #: the C glue for fp32 CPU forwards (:mod:`megatron_jf.inference.cpu_glue`): False until first needed, then
         #: the loaded library or None (off, or no compiler)
         self.glue = False
@@ -237,6 +239,17 @@ class LeanForward:
         # part from the AR step's at near-ties
         if kind == "linear":
             y = F.linear(x, w)
+        elif kind == "skinny":
+            glue = self._glue_for(x)
+            if glue is None or w.dtype != torch.float32:
+                y = F.linear(x, w)
+            else:
+                key = (w._version, w.data_ptr(), w.dtype)
+                hit = self._wk.get(name)
+                if hit is None or hit[0] != key:
+                    hit = (key, glue.pack_panels(w.detach()))
+                    self._wk[name] = hit
+                y = glue.skinny_mm(x.contiguous(), hit[1], w)
         elif kind == "packed":  # see _gemv_policy
             if not self.packed or x.dtype != w.dtype or torch.is_autocast_enabled("cpu"):
                 y = F.linear(x, w)
@@ -281,6 +294,8 @@ class LeanForward:
                     self._wt.pop(n, None)
                 if "packed" not in used:
                     self._wp.pop(n, None)
+                if "skinny" not in used:
+                    self._wk.pop(n, None)
 
     # ------------------------------------------------------------------ pieces
     def _rope(self, position_ids: torch.Tensor, dtype):
