@@ -108,7 +108,7 @@ class Glue:
     def skinny_mm(self, x: torch.Tensor, panels: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``x @ w.T`` ``[..., N]`` for ``x`` ``[..., K]`` (contiguous fp32) through ``panels`` (:meth:`pack_panels`
         of ``w``). Each output element is the sequential fp32 sum over ``k`` of ``x[r, k] * w[n, k]``, so a row's
-        bits do not depend on the rows beside it; fast for a few rows (the weight is read once per four rows, from
+        bits do not depend on the rows beside it; fast for a few rows (the weight is read once per eight rows, from
         several panels at a time)."""
         n, k = w.shape
         y = x.new_empty(*x.shape[:-1], n)

@@ -108,7 +108,7 @@ void jf_silu_mul(const float *gu, float *out, int64_t rows, int64_t ff) {
 }
 
 /* ---------------------------------------------------------------------------------------------------------------
- * Skinny products: y[R, N] = x[R, K] @ W^T for a few rows R, W given as panels (jf_pack_panels), read once per four
+ * Skinny products: y[R, N] = x[R, K] @ W^T for a few rows R, W given as panels (jf_pack_panels), read once per eight
  * rows. Every output element is the sequential sum over k = 0..K-1 of x[r, k] * W[n, k], one rounding per product and
  * per sum, whichever of the loops below computes it: a row's bits do not depend on R or on the rows beside it.
  * Speed comes from reading S panels (S memory streams) at once with the R x S x 32 sums in registers: on an Intel
@@ -157,24 +157,30 @@ void jf_pack_panels(const float *w, float *panels, int64_t N, int64_t K) {
   }
 
 typedef void (*skinny_fn)(const float *, const float *, float *, int64_t, int64_t, int64_t);
-#ifdef __AVX512F__ /* 32 vector registers of 16 floats: up to 24 sums */
-DEF_SKINNY(1, 4) DEF_SKINNY(2, 4) DEF_SKINNY(3, 4) DEF_SKINNY(4, 2)
-DEF_SKINNY(1, 1) DEF_SKINNY(2, 1) DEF_SKINNY(3, 1) DEF_SKINNY(4, 1)
-static const skinny_fn WIDE[5] = {0, skinny_1_4, skinny_2_4, skinny_3_4, skinny_4_2};
-static const int STREAMS[5] = {0, 4, 4, 4, 2};
+#define MAX_ROWS 8 /* rows per pass over the weight */
+#ifdef __AVX512F__ /* 32 vector registers of 16 floats: up to 28 of them hold sums */
+DEF_SKINNY(1, 4) DEF_SKINNY(2, 4) DEF_SKINNY(3, 4) DEF_SKINNY(4, 3) DEF_SKINNY(5, 2) DEF_SKINNY(6, 2)
+DEF_SKINNY(1, 1) DEF_SKINNY(2, 1) DEF_SKINNY(3, 1) DEF_SKINNY(4, 1) DEF_SKINNY(5, 1) DEF_SKINNY(6, 1)
+DEF_SKINNY(7, 1) DEF_SKINNY(8, 1)
+static const skinny_fn WIDE[MAX_ROWS + 1] = {0, skinny_1_4, skinny_2_4, skinny_3_4, skinny_4_3, skinny_5_2,
+                                             skinny_6_2, skinny_7_1, skinny_8_1};
+static const int STREAMS[MAX_ROWS + 1] = {0, 4, 4, 4, 3, 2, 2, 1, 1};
 #else /* 16 registers of 8 floats (a v16 is two) */
-DEF_SKINNY(1, 2) DEF_SKINNY(1, 1) DEF_SKINNY(2, 1) DEF_SKINNY(3, 1) DEF_SKINNY(4, 1)
-static const skinny_fn WIDE[5] = {0, skinny_1_2, skinny_2_1, skinny_3_1, skinny_4_1};
-static const int STREAMS[5] = {0, 2, 1, 1, 1};
+DEF_SKINNY(1, 2) DEF_SKINNY(1, 1) DEF_SKINNY(2, 1) DEF_SKINNY(3, 1) DEF_SKINNY(4, 1) DEF_SKINNY(5, 1)
+DEF_SKINNY(6, 1) DEF_SKINNY(7, 1) DEF_SKINNY(8, 1)
+static const skinny_fn WIDE[MAX_ROWS + 1] = {0, skinny_1_2, skinny_2_1, skinny_3_1, skinny_4_1, skinny_5_1,
+                                             skinny_6_1, skinny_7_1, skinny_8_1};
+static const int STREAMS[MAX_ROWS + 1] = {0, 2, 1, 1, 1, 1, 1, 1, 1};
 #endif
-static const skinny_fn ONE[5] = {0, skinny_1_1, skinny_2_1, skinny_3_1, skinny_4_1};
+static const skinny_fn ONE[MAX_ROWS + 1] = {0, skinny_1_1, skinny_2_1, skinny_3_1, skinny_4_1, skinny_5_1,
+                                            skinny_6_1, skinny_7_1, skinny_8_1};
 
-/* y[R, N] = x[R, K] @ w[N, K]^T: four rows at a time; the packed columns from panels, S at a time, then one at a time;
+/* y[R, N] = x[R, K] @ w[N, K]^T: MAX_ROWS rows at a time; the packed columns from panels, S at a time, then one at a time;
  * the last N % PANEL columns from w, one element at a time (the same sum, in the same order) */
 void jf_skinny_mm(const float *x, const float *panels, const float *w, float *y, int64_t R, int64_t N, int64_t K) {
   const int64_t np = N / PANEL;
-  for (int64_t r0 = 0; r0 < R; r0 += 4) {
-    const int64_t rows = R - r0 < 4 ? R - r0 : 4;
+  for (int64_t r0 = 0; r0 < R; r0 += MAX_ROWS) {
+    const int64_t rows = R - r0 < MAX_ROWS ? R - r0 : MAX_ROWS;
     const float *xr = x + r0 * K;
     float *yr = y + r0 * N;
     const int64_t S = STREAMS[rows];
