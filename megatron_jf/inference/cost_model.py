@@ -66,7 +66,7 @@ PACKING_MIN_SAVING = 0.02
 #: Bump when the measurement or the forward it times changes (old cache files are then ignored). 6: bf16 one-row
 #: products through oneDNN's packed weights (lean forward); 7: large fp32 one-row products too; 8: every bf16 product;
 #: 9: the fp32 packing choices measured; 10: the fp32 kernel measured per weight shape and rows
-#: (``about["products"]``); 11: the lean forward's C glue (its cost differs; the key names it).
+#: (``about["products"]``); 11: the lean forward's C glue and its ``skinny`` product kernel.
 VERSION = 11
 
 
