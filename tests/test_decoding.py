@@ -253,18 +253,21 @@ def test_product_kernels_are_measured_kept_with_the_table_and_applied(models, mo
     assert len(seen) == len(shapes) >= 2
     for timings in seen.values():
         assert sorted(timings) == list(cost_model.PRODUCT_ROWS)
-        assert all(set(x) == {"transposed", "linear", "packed"} and min(x.values()) > 0 for x in timings.values())
+        kinds = {"transposed", "linear", "packed"} | ({"skinny"} if lean.glue else set())  # skinny: with the C glue
+        assert all(set(x) == kinds and min(x.values()) > 0 for x in timings.values())
     assert lean.kernels == {s: ((1, "linear"), (4, "packed")) for s in shapes}
-    assert not lean._wt  # no choice uses the transposed copies: freed
+    assert not lean._wt and not lean._wk  # no choice uses the transposed or panel copies: freed
     assert lean.kernel(next(iter(lean.products().values()))[0][1], 3) == "linear"
     want = {f"{a}x{b}": [[1, "linear"], [4, "packed"]] for a, b in shapes}
     assert cost.about["products"] == want
     [f] = (tmp_path / "forward_cost").glob("*.json")
     assert json.loads(f.read_text())["about"]["products"] == want
-    lean.kernels = {}
+    lean.kernels, lean._wp = {}, {}
     monkeypatch.setattr(cost_model, "calibrate_products", lambda *a, **k: pytest.fail("measured again"))
     Engine(eng.model).forward_cost(rows=1, max_tokens=8)
     assert lean.kernels == {s: ((1, "linear"), (4, "packed")) for s in shapes}  # applied from the cache
+    # with the copies the choice uses made now, not at the first wide forward of a generation
+    assert set(lean._wp) == {n for named in lean.products().values() for n, _ in named} and not lean._wt
     summary = cost_model.packing_summary(cost.about)  # what the benches print next to the cost table
     a, b = sorted(shapes)[0]
     assert f"{a}x{b} linear 1-3, packed 4+" in summary
@@ -291,7 +294,8 @@ def test_product_calibration_follows_the_timings(models, monkeypatch):
 
     def linear(self, x, w, name, bias=None, kind=None):  # a product's time by kernel and rows
         rows = x.shape[0]
-        clock[0] += {"transposed": 1.0, "linear": 0.5 if rows <= 2 else 2.0, "packed": 3.0 if rows < 8 else 0.4}[kind]
+        clock[0] += {"transposed": 1.0, "linear": 0.5 if rows <= 2 else 2.0, "packed": 3.0 if rows < 8 else 0.4,
+                     "skinny": 5.0}[kind]
         return real(self, x, w, name, bias, kind)
 
     monkeypatch.setattr(type(lean), "_linear", linear)
@@ -300,7 +304,7 @@ def test_product_calibration_follows_the_timings(models, monkeypatch):
     shapes = list(lean.products())
     assert lean.kernels == {s: ((1, "linear"), (4, "transposed"), (8, "packed")) for s in shapes}
     assert got == {"products": {f"{a}x{b}": [[1, "linear"], [4, "transposed"], [8, "packed"]] for a, b in shapes}}
-    assert lean._wt and lean._wp  # both copies are used by the choice: kept
+    assert lean._wt and lean._wp and not lean._wk  # the transposed and packed copies are used: kept; panels freed
 
 
 @pytest.mark.parametrize("decoder,kw", [("jacobi", dict(block_size=4)), ("running-window", dict(block_size=4)),

@@ -312,6 +312,7 @@ def _apply_packing(runner, about: dict) -> None:
     kernels = products_from_about(about) if "products" in about else None
     if runner.lean is not None and kernels:
         runner.lean.kernels = kernels
+        runner.lean.make_copies()
 
 
 def measure_rows(runner, rows: int, max_tokens: int, *, context: int = CONTEXT, budget_s: float = BUDGET_S,

@@ -282,6 +282,18 @@ class LeanForward:
                 out.setdefault((w.shape[0], w.shape[-1]), []).append((n, w))
         return out
 
+    def make_copies(self) -> None:
+        """Make now the weight copies the measured kernels (:attr:`kernels`) use, each by one product through it;
+        otherwise each is made at its first product -- for SmolLM2-135M's packed copies about a second, at the first
+        forward wide enough to take them, in the middle of a generation."""
+        with torch.no_grad():
+            for shape, named in self.products().items():
+                if named[0][1].dtype != torch.float32:
+                    continue
+                for kind in {k for _, k in self.kernels.get(shape, ())} - {"linear"}:
+                    for n, w in named:
+                        self._linear(w.new_zeros(1, w.shape[-1]), w, n, kind=kind)
+
     def drop_unused_copies(self) -> None:
         """Free the transposed and packed copies of fp32 weights whose measured kernels (:attr:`kernels`) never use
         them (measuring makes every copy)."""
