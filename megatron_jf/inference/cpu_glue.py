@@ -11,9 +11,10 @@ shape and row count where :func:`~megatron_jf.inference.cost_model.calibrate_pro
 oneDNN read a weight from memory markedly slower for 2-4 rows than for one, this kernel nearly as fast.
 
 Exactness: each token's values come from the same loop in the same order whatever the number of tokens in the
-forward, so drafting and verification rows stay bit-equal to the AR step's (the decoders' losslessness), as with
-the torch ops; values differ from the torch ops' by rounding (a fixed summation order in the norm, a polynomial
-``exp`` in SiLU: about one ulp).
+forward, so the glue adds no dependence on the row count of its own (the products and SDPA may still round a row
+differently by row count, as before; greedy output is AR's either way, by verification); values differ from the
+torch ops' by rounding (a fixed summation order in the norm, a polynomial ``exp`` in SiLU: about one ulp). Not from
+the paper: this is the CPU engine's forward, and it changes no decoding rule.
 
 :func:`load` compiles the source once per machine with the C compiler (``$CC``, else ``cc``) and ``-O3
 -march=native -ffp-contract=off`` into ``<cost cache dir>/glue/<hash>.so`` (the hash covers the source, flags,
@@ -47,8 +48,12 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class Glue:
-    """The compiled glue functions (see module docstring). Every tensor argument is a contiguous fp32 CPU tensor;
-    nothing is checked here (the lean forward checks once per forward)."""
+    """The compiled glue functions (see module docstring), made by :func:`load`.
+
+    Every tensor argument is a contiguous fp32 CPU tensor of the shape each method names; the methods check nothing
+    (they run between the products of every decode forward) and raise nothing: a wrong shape reads or writes out of
+    bounds. Callers are the lean forward, which takes this path only for fp32 CPU forwards it builds the buffers of
+    (:meth:`~megatron_jf.inference.lean_forward.LeanForward._hidden_glue`), and ``_check`` below."""
 
     def __init__(self, lib: ctypes.CDLL, path: str):
         self.path = path
@@ -207,7 +212,11 @@ def _check(glue: Glue) -> None:
 
 def load() -> Glue | None:
     """The compiled glue for this machine, built on first use (see module docstring); None where it is off
-    (``MEGATRON_JF_CPU_GLUE=0``) or cannot be built or fails its check (logged once)."""
+    (``MEGATRON_JF_CPU_GLUE=0``) or cannot be built or fails its check (logged once).
+
+    Raises:
+        ValueError: a bad value of ``MEGATRON_JF_CPU_GLUE``. A failed build or check raises nothing: it is logged
+        and gives None."""
     if not env.cpu_glue():
         return None
     cc = _compiler()

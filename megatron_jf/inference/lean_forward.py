@@ -285,7 +285,11 @@ class LeanForward:
     def make_copies(self) -> None:
         """Make now the weight copies the measured kernels (:attr:`kernels`) use, each by one product through it;
         otherwise each is made at its first product -- for SmolLM2-135M's packed copies about a second, at the first
-        forward wide enough to take them, in the middle of a generation."""
+        forward wide enough to take them, in the middle of a generation. Costs one extra copy of each such weight in
+        host memory, as the first product would.
+
+        Raises:
+            nothing of its own; an error of a product propagates."""
         with torch.no_grad():
             for shape, named in self.products().items():
                 if named[0][1].dtype != torch.float32:
