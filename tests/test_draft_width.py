@@ -44,6 +44,54 @@ def test_width_follows_the_cost_table():
     assert choose_widths(_linear_cost(0.05), [RowDraft([0.8] * 16)]) == [8]  # 4.33 / 1.4 = 3.09 beats W = 7, 10
 
 
+def _choose_widths_every_width(cost, rows, overhead_s=0.0, margin=0.05, draft_penalty=1.0):
+    """choose_widths' rule with every width of the grid evaluated (no early stop): the reference."""
+    b, floor, auto = len(rows), 1, []
+    for r in rows:
+        if r.fixed:
+            floor = max(floor, 1 + len(r.probs) + sum(r.branches))
+        else:
+            auto.append((r, expected_accepted(r.probs)))
+    ceiling = max((len(r.probs) for r, _ in auto), default=0)
+    fixed_tokens = sum(1 + expected_accepted(r.probs)[-1] for r in rows if r.fixed)
+    best_w, best, ar = 0, None, None
+    for W in width_grid(ceiling):
+        s, tokens = floor, fixed_tokens
+        for r, e in auto:
+            w = min(W, len(r.probs))
+            tokens += 1 + e[w]
+            s = max(s, 1 + w + sum(min(W, x) for x in r.branches))
+        seconds = cost.seconds(b, s) * (draft_penalty if W else 1.0) + overhead_s
+        rate = tokens / seconds
+        if best is None:
+            best_w, best, ar = W, rate, seconds
+        elif rate >= (best if best_w else best * (1 + margin if seconds > ar else 1)):
+            best_w, best = W, rate
+    return [len(r.probs) if r.fixed else min(best_w, len(r.probs)) for r in rows]
+
+
+def test_width_search_stops_early_with_the_same_choice():
+    """choose_widths stops once no wider width can reach the best rate: the same widths as trying them all, on
+    random cost tables (some nearly flat, some steep, with plateaus), acceptance, branches, fixed rows, penalties."""
+    rnd = random.Random(7)
+    for case in range(400):
+        rows_n = rnd.choice((1, 1, 2, 3))
+        pts, t = {}, 1.0
+        for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
+            t += rnd.choice((0.0, 0.0, rnd.uniform(0, 0.05), rnd.uniform(0, 0.5)))
+            pts[s] = t
+        cost = ForwardCost({rows_n: pts})
+        rows = []
+        for _ in range(rows_n):
+            n = rnd.randint(0, 40)
+            p = rnd.choice((0.05, 0.3, 0.7, 0.95))
+            rows.append(RowDraft([min(1.0, max(0.0, rnd.gauss(p, 0.2))) for _ in range(n)],
+                                 branches=[rnd.randint(1, 6) for _ in range(rnd.choice((0, 0, 2)))],
+                                 fixed=rnd.random() < 0.1))
+        kw = dict(overhead_s=rnd.choice((0.0, 0.3)), draft_penalty=rnd.choice((1.0, 1.4)))
+        assert choose_widths(cost, rows, **kw) == _choose_widths_every_width(cost, rows, **kw), case
+
+
 def test_forward_cost_interpolates_and_stays_monotone():
     c = ForwardCost({1: {1: 1.0, 2: 2.5, 4: 2.0, 8: 3.0}, 3: {1: 3.0, 8: 10.0}})
     assert c.curve(1) == [(1, 1.0), (2, 2.5), (4, 2.5), (8, 3.0)]  # noise made s=4 look cheaper than s=2

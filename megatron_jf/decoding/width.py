@@ -318,6 +318,9 @@ def choose_widths(cost: ForwardCost, rows: Sequence[RowDraft], overhead_s: float
             auto.append((r, expected_accepted(r.probs)))
     ceiling = max((len(r.probs) for r, _ in auto), default=0)
     fixed_tokens = sum(1 + expected_accepted(r.probs)[-1] for r in rows if r.fixed)
+    # no width emits more than every auto row's whole draft: once that many tokens over a width's forward (whose
+    # cost only grows with W) cannot reach the best rate, no wider width can, and the search stops
+    most_tokens = fixed_tokens + sum(1 + e[-1] for _, e in auto)
     best_w, best, ar_seconds = 0, None, None
     for W in width_grid(ceiling):
         s, tokens = floor, fixed_tokens
@@ -327,6 +330,8 @@ def choose_widths(cost: ForwardCost, rows: Sequence[RowDraft], overhead_s: float
             s = max(s, 1 + w + sum(min(W, x) for x in r.branches))
         seconds = cost.seconds(b, s) * (draft_penalty if W else 1.0) + overhead_s
         rate = tokens / seconds
+        if best is not None and most_tokens / seconds < best:
+            break
         if best is None:  # W = 0: plain AR (or the fixed rows' forward)
             best_w, best, ar_seconds = W, rate, seconds
         elif rate >= (best if best_w else best * (1 + margin if seconds > ar_seconds else 1)):
