@@ -1,6 +1,7 @@
 """The lean forward's C glue (megatron_jf/inference/cpu_glue.py, csrc/glue.c): equal to the torch ops it replaces up to
 rounding, row-invariant (a token's bits do not depend on the tokens beside it: the decoders' losslessness), taken
 by fp32 CPU forwards only, and off cleanly (switch, no compiler, a failing build)."""
+import os
 import shutil
 
 import pytest
@@ -89,27 +90,29 @@ def test_a_tokens_glue_values_do_not_depend_on_the_tokens_beside_it(glue):
 
 
 @needs_cc
-@pytest.mark.parametrize("n,k", [(960, 576), (37, 19), (5 * 32, 64), (9 * 32 + 7, 33)])
+@pytest.mark.parametrize("n,k", [(960, 576), (37, 19), (5 * 32, 64), (9 * 32 + 7, 33), (3 * 32 + 5, 300)])
 def test_skinny_products_equal_the_sequential_sum_and_do_not_depend_on_the_rows(glue, n, k):
     """Every output element is the sequential fp32 sum over k (checked against a float64 reference and against
-    itself computed alone): 1-11 rows (four at a time, then the rest), panels four / two / one at a time, and the
-    columns past the last full panel."""
+    itself computed alone): 1-11 rows (up to eight a pass; past four, in two halves over k chunks of 128, the sums
+    carried from one chunk to the next), panels several / one at a time, and the columns past the last full panel."""
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g)
     panels = glue.pack_panels(w)
     assert panels.shape == (n // 32, k, 32)
     x = torch.randn(11, k, generator=g)
-    for rows in (1, 2, 3, 4, 5, 7, 11):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11):
         y = glue.skinny_mm(x[:rows].contiguous(), panels, w)
         torch.testing.assert_close(y.double(), x[:rows].double() @ w.double().T, rtol=1e-5, atol=k * 1e-6)
         for r in range(rows):
             alone = glue.skinny_mm(x[r:r + 1].contiguous(), panels, w)
             assert torch.equal(alone[0], y[r]), f"row {r} of {rows}"
-    # the order of the sum is k's: one column by hand
-    acc = torch.zeros((), dtype=torch.float32)
-    for j in range(k):
-        acc = acc + x[0, j] * w[n - 1, j]
-    assert torch.equal(glue.skinny_mm(x[:1].contiguous(), panels, w)[0, n - 1], acc)
+    # the order of the sum is k's: a packed column and the last one by hand, for the first half's and second's rows
+    y8 = glue.skinny_mm(x[:8].contiguous(), panels, w)
+    for r, col in ((0, n - 1), (0, 0), (6, 0)):
+        acc = torch.zeros((), dtype=torch.float32)
+        for j in range(k):
+            acc = acc + x[r, j] * w[col, j]
+        assert torch.equal(y8[r, col], acc), (r, col)
 
 
 def _tiny(family="llama", tied=True, seed=2):
@@ -181,4 +184,5 @@ def test_the_glue_is_off_by_switch_and_where_it_cannot_be_built(mp1, monkeypatch
     if shutil.which("cc"):
         monkeypatch.delenv("CC")
         monkeypatch.setattr(cpu_glue, "_LOADED", {})
-        assert cost_key(m, "lean")["impl"] != off
+        on = cost_key(m, "lean")["impl"]
+        assert on != off and os.path.basename(cpu_glue.load().path) in on  # a rebuilt glue is measured anew

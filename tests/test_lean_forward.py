@@ -79,7 +79,9 @@ def test_lean_equals_megatron_with_kv_cache_tree_mask_and_ragged_rows(pairs, nam
     for a, b in zip(outs["lean"], outs["megatron"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     # the products went the way the rules or the forced kernel say (copies are made on first use)
-    assert bool(lf._wp) == (kind in ("default-packed", "packed") and lf.packed)
+    # (skinny takes up to 8 rows a pass: the 18- and 12-row products here take the default rule, packed)
+    assert bool(lf._wp) == (kind in ("default-packed", "packed", "skinny") and lf.packed)
+    assert bool(lf._wk) == (kind == "skinny" and bool(lf.glue))  # the last step's 2-row products (with the C glue)
     assert bool(lf._wt) == (kind in ("default-transposed", "transposed"))  # (every product here has 2+ rows)
     # the last one-row step of row 0 equals transformers on the committed sequence: prompt, tokens 0, 3, 4, 13
     full = torch.cat([prompt[0], torch.tensor([1, 4, 5, 13])])[None]
@@ -154,7 +156,10 @@ def test_cached_prefill_uses_causal_kernel_and_matches_uncached(pairs):
     assert cache.step_is_causal
     cache.end()
     cache.begin(10)  # megatron's core attention reads the mask: it must be built
-    assert not cache.step_is_causal and cache._step.mask is not None
+    kv = torch.zeros(1, cache.k.shape[2], 10, cache.k.shape[-1])
+    allow = cache.update(0, kv, kv)[2]
+    assert not cache.step_is_causal and allow is not None
+    assert torch.equal(allow[0, 0] == 0, torch.ones(10, 10, dtype=torch.bool).tril())
     cache.end()
     a = forward_logits(m, toks, pos, kv_cache=cache, impl="lean")
     torch.testing.assert_close(a, forward_logits(m, toks, pos, impl="megatron"), rtol=1e-5, atol=1e-5)

@@ -88,6 +88,43 @@ def test_kv_cache_rows_roll_back_independently(mp1):
     assert (c[1] - full[1, 14:19]).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_cache_masks_equal_the_boolean_ones(dtype):
+    """``KVCache.update`` hands SDPA an additive mask, made once per forward (a causal draft block: a view of a
+    template kept per block size and dtype): it must allow exactly what the boolean mask of the cache's contract
+    allows -- committed slots and the new tokens' causal (or given) mask -- at every committed length the template
+    is reused for, and give SDPA the output the boolean mask gives, bit for bit."""
+    from megatron_jf.models.kv_cache import KVCache
+
+    g = torch.Generator().manual_seed(5)
+    cache = KVCache(1, 2, 40, 2, 8, dtype=dtype)
+    for start, s in ((0, 4), (3, 4), (17, 4), (9, 2), (9, 7), (36, 4)):
+        cache.lengths[:] = start
+        cache.begin(s)
+        k, v = (torch.randn(2, 2, s, 8, generator=g).to(dtype) for _ in range(2))
+        k_all, v_all, add = cache.update(0, k, v)
+        want = torch.cat([torch.ones(s, start, dtype=torch.bool), torch.ones(s, s, dtype=torch.bool).tril()], 1)
+        assert add.dtype == dtype and add.shape[-2:] == (s, start + s)
+        assert torch.equal(add[0, 0] == 0, want) and bool(torch.isneginf(add[0, 0][~want]).all())
+        q = torch.randn(2, 4, s, 8, generator=g).to(dtype)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k_all, v_all, attn_mask=add, enable_gqa=True)
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k_all, v_all, attn_mask=want, enable_gqa=True)
+        assert torch.equal(out, ref)
+        assert cache.update(0, k, v)[2] is add  # once per forward, not per layer
+        cache.end()
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # a given mask; ragged rows
+    cache.lengths[:] = torch.tensor([5, 2])
+    cache.begin(3, tree)
+    kv = torch.zeros(2, 2, 3, 8, dtype=dtype)
+    add = cache.update(0, kv, kv)[2]
+    for row, start in ((0, 5), (1, 2)):
+        want = torch.zeros(3, 8, dtype=torch.bool)
+        want[:, :start] = True
+        want[:, start:start + 3] = tree
+        assert torch.equal(add[row, 0] == 0, want)
+    cache.end()
+
+
 def test_kv_cache_commit_non_prefix_compacts(mp1):
     """Two candidates forwarded side by side (tree mask); keeping the second one's tokens equals a plain pass."""
     from megatron_jf.inference.forward import forward_logits

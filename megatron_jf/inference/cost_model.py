@@ -66,8 +66,10 @@ PACKING_MIN_SAVING = 0.02
 #: Bump when the measurement or the forward it times changes (old cache files are then ignored). 6: bf16 one-row
 #: products through oneDNN's packed weights (lean forward); 7: large fp32 one-row products too; 8: every bf16 product;
 #: 9: the fp32 packing choices measured; 10: the fp32 kernel measured per weight shape and rows
-#: (``about["products"]``); 11: the lean forward's C glue and its ``skinny`` product kernel.
-VERSION = 11
+#: (``about["products"]``); 11: the lean forward's C glue and its ``skinny`` product kernel; 12: the KV cache's
+#: additive masks made once per forward, the final norm in the glue; 13: ``skinny`` timed up to the rows of one pass
+#: (8), taking 5-8 rows in one pass. (The C glue's build is part of the key too.)
+VERSION = 13
 
 
 def _device_name(device: torch.device) -> str:
@@ -100,7 +102,8 @@ def cost_key(model, impl: str) -> dict:
         if p.device.type == "cpu" and p.dtype == torch.float32:
             from megatron_jf.inference import cpu_glue
 
-            impl += f", C glue: {cpu_glue.load() is not None}"
+            glue = cpu_glue.load()  # named by its build (source, flags, compiler, CPU): a changed kernel is measured anew
+            impl += f", C glue: {os.path.basename(glue.path) if glue is not None else 'off'}"
     return {"model": shape, "dtype": str(p.dtype).replace("torch.", ""), "device": _device_name(p.device),
             "threads": torch.get_num_threads(), "impl": impl, "tp": tp, "context": CONTEXT, "version": VERSION}
 
@@ -233,6 +236,8 @@ def calibrate_products(lean, *, rows: tuple[int, ...] = PRODUCT_ROWS, reps: int 
     Raises:
         nothing of its own; an error of a product propagates (nothing is set then).
     """
+    from megatron_jf.inference.lean_forward import SKINNY_MAX_ROWS
+
     if lean is None or lean.emb.weight.device.type != "cpu" or lean.emb.weight.dtype != torch.float32:
         return None
     shapes = lean.products()
@@ -250,11 +255,12 @@ def calibrate_products(lean, *, rows: tuple[int, ...] = PRODUCT_ROWS, reps: int 
             default = {}
             for r in rows:
                 x = torch.randn(r, shape[1], generator=gen)
-                for k in kinds:  # warm-up: the copies are made on first use
+                here = [k for k in kinds if k != "skinny" or r <= SKINNY_MAX_ROWS]  # (one pass of the weight)
+                for k in here:  # warm-up: the copies are made on first use
                     lean._linear(x, named[0][1], named[0][0], kind=k)
-                t = {k: float("inf") for k in kinds}
+                t = {k: float("inf") for k in here}
                 for _ in range(reps):
-                    for k in kinds:
+                    for k in here:
                         t0 = time.perf_counter()
                         for n, w in named:
                             lean._linear(x, w, n, kind=k)

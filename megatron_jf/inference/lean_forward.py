@@ -86,6 +86,10 @@ PACKED_MIN_MACS = 1 << 19
 #: itself (MKL, no copy), ``skinny`` -- this project's kernel for a few rows on a copy in 32-column panels
 #: (:meth:`megatron_jf.inference.cpu_glue.Glue.skinny_mm`; fp32 forwards with the C glue, else ``linear``).
 PRODUCT_KERNELS = ("transposed", "packed", "linear", "skinny")
+#: The most rows the ``skinny`` kernel takes in one pass over a weight (``MAX_ROWS`` in ``csrc/glue.c``): a product of
+#: more runs another pass, so past it a ``skinny`` choice gives way to :meth:`LeanForward.default_kernel` (SmolLM2-135M,
+#: Intel Xeon: a 9-token forward took 84 ms against 58 ms at 8 when the 8-row choice, ``skinny``, ran two passes).
+SKINNY_MAX_ROWS = 8
 
 #: fp32 one-row products through weights of at least this many elements take the packed copy until measured: oneDNN
 #: reads a large packed weight faster than ``x @ W_t`` (SmolLM2-135M's 49,152 x 960 output layer at one row: 4.9 ms
@@ -215,8 +219,8 @@ class LeanForward:
 
     def kernel(self, w: torch.Tensor, rows: int) -> str:
         """How a product of ``rows`` rows through ``w`` runs (one of :data:`PRODUCT_KERNELS`): bf16 weights always
-        ``packed`` (oneDNN's native bf16 kernels); fp32 ones as :attr:`kernels` measured for their shape, else
-        :meth:`default_kernel`."""
+        ``packed`` (oneDNN's native bf16 kernels); fp32 ones as :attr:`kernels` measured for their shape (``skinny``
+        up to :data:`SKINNY_MAX_ROWS` rows), else :meth:`default_kernel`."""
         if w.dtype == torch.bfloat16:
             return "packed"
         table = self.kernels.get((w.shape[0], w.shape[-1])) if w.dtype == torch.float32 else None
@@ -227,6 +231,8 @@ class LeanForward:
             if first > rows:
                 break
             kind = k
+        if kind == "skinny" and rows > SKINNY_MAX_ROWS:
+            return self.default_kernel(w, rows)
         return kind
 
     def _linear(self, x, w, name: str, bias=None, kind: str | None = None):
@@ -450,8 +456,16 @@ class LeanForward:
         return x
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        """Final norm and (vocab-parallel, gathered) output layer: ``[b, s, h]`` -> logits ``[b, s, V_padded]``."""
-        x = self.final_ln(x)
+        """Final norm and (vocab-parallel, gathered) output layer: ``[b, s, h]`` -> logits ``[b, s, V_padded]``.
+        The norm runs in the C glue where the layers do (:meth:`_glue_for`)."""
+        glue = self._glue_for(x)
+        if glue is not None:
+            ln, x = self.final_ln, x.contiguous()
+            h = torch.empty_like(x)
+            glue.add_rmsnorm(x, None, ln.weight, h, torch.finfo(torch.float32).eps if ln.eps is None else ln.eps)
+            x = h
+        else:
+            x = self.final_ln(x)
         logits = self._linear(x, self._output_weight(), "out")
         if self.tp > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp)]

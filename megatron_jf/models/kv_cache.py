@@ -50,6 +50,7 @@ class KVCache:
         self.batch_size = batch_size
         self.lengths = torch.zeros(batch_size, dtype=torch.long)  # committed tokens per row (host)
         self._step: _Step | None = None
+        self._templates: dict = {}  # (block size, dtype) -> additive causal template (_additive)
 
     # ------------------------------------------------------------------ forward protocol
     def begin(self, num_new: int, new_mask: torch.Tensor | None = None, *, causal_kernel: bool = False,
@@ -84,8 +85,9 @@ class KVCache:
         device = self.k.device
         starts = self.lengths.to(device)
         uniform = bool((self.lengths == self.lengths[0]).all())
+        causal_draft = new_mask is None
         if new_mask is None:
-            if not (uniform and causal_kernel and int(self.lengths[0]) == 0):
+            if not uniform:
                 new_mask = torch.ones(s, s, dtype=torch.bool, device=device).tril_()
         else:
             if new_mask.shape[-2:] != (s, s) or new_mask.dtype != torch.bool:
@@ -93,13 +95,17 @@ class KVCache:
             new_mask = new_mask.to(device)
         if uniform and causal_kernel and new_mask is None and int(self.lengths[0]) == 0:
             self._step = _Step(s, kv_len, None, 0, None, causal=s > 1)
+        elif uniform and s == 1:  # one new token: every key is visible
+            self._step = _Step(s, kv_len, None, int(self.lengths[0]), None)
+        elif uniform and causal_draft:  # a draft block after equal rows: a view of a cached template
+            start = int(self.lengths[0])
+            self._step = _Step(s, kv_len, None, start, None, causal_block=True)
         elif uniform:
             start = int(self.lengths[0])
             nm = new_mask if new_mask.dim() == 3 else new_mask.unsqueeze(0)
             committed = torch.ones(nm.shape[0], s, start, dtype=torch.bool, device=device)
             mask = torch.cat([committed, nm], dim=-1)  # [B|1, s, start+s]
-            mask = None if (s == 1) else mask.unsqueeze(1)
-            self._step = _Step(s, kv_len, mask, start, None)
+            self._step = _Step(s, kv_len, mask.unsqueeze(1), start, None)
         else:
             j = torch.arange(kv_len, device=device)
             rel = j[None, :] - starts[:, None]  # [B, kv]: slot index relative to this row's new block
@@ -140,13 +146,15 @@ class KVCache:
             k, v: ``[B, G, s, D]`` post-RoPE keys and values of the new tokens.
 
         Returns:
-            ``(k_all, v_all, mask)``: ``[B, G, kv_len, D]`` views and a bool mask ``[B, 1, s, kv_len]``
-            (True = attend) or None when every key is visible (or, with :attr:`step_is_causal`, when
+            ``(k_all, v_all, mask)``: ``[B, G, kv_len, D]`` views and SDPA's additive mask ``[B|1, 1, s, kv_len]``
+            in the dtype ``k`` came in (0 where a new token may attend, -inf elsewhere; the same values SDPA makes
+            of a boolean mask), or None when every key is visible (or, with :attr:`step_is_causal`, when
             attention is plain causal).
         """
         st = self._step
         if st is None:
             raise RuntimeError("KVCache.update called outside a forward (call begin() first)")
+        in_dtype = k.dtype  # the query's: the mask is made in it
         k, v = k.to(self.k.dtype), v.to(self.v.dtype)  # under CPU autocast the projections come out in bf16
         if st.write_pos is not None:
             self.k[slot].index_copy_(2, st.write_pos, k)
@@ -158,7 +166,28 @@ class KVCache:
             # scatter_ along the slots, 2.2x faster in fp32 and 18x in bf16 on CPU, 128 rows x 17 tokens)
             self.k[slot].transpose(1, 2).index_put_(st.write_idx, k.transpose(1, 2))
             self.v[slot].transpose(1, 2).index_put_(st.write_idx, v.transpose(1, 2))
-        return self.k[slot, :, :, :st.kv_len], self.v[slot, :, :, :st.kv_len], st.mask
+        return self.k[slot, :, :, :st.kv_len], self.v[slot, :, :, :st.kv_len], self._additive(st, in_dtype)
+
+    def _additive(self, st: "_Step", dtype: torch.dtype) -> torch.Tensor | None:
+        """The step's mask as SDPA's additive float mask in ``dtype`` (0 = attend, -inf = masked), made once per
+        forward and dtype (SDPA would convert a boolean mask in every layer). A causal draft block after equal
+        rows is a view of a template kept per block size and dtype: columns ``[0, start)`` zero, then the block's
+        upper triangle -inf."""
+        hit = st.additive.get(dtype)
+        if hit is not None or (st.mask is None and not st.causal_block):
+            return hit
+        if st.causal_block:
+            key = (st.s, dtype)
+            t = self._templates.get(key)
+            if t is None:
+                t = torch.zeros(st.s, self.max_len + st.s, dtype=dtype, device=self.k.device)
+                t[:, self.max_len:] = torch.full((st.s, st.s), float("-inf"), dtype=dtype).triu_(1)
+                self._templates[key] = t
+            hit = t[None, None, :, self.max_len - st.start:self.max_len + st.s]
+        else:
+            hit = torch.zeros(st.mask.shape, dtype=dtype, device=st.mask.device).masked_fill_(~st.mask, float("-inf"))
+        st.additive[dtype] = hit
+        return hit
 
     @property
     def step_is_causal(self) -> bool:
@@ -235,8 +264,9 @@ class KVCache:
 
 
 class _Step:
-    __slots__ = ("s", "kv_len", "mask", "start", "write_idx", "causal", "write_pos")
+    __slots__ = ("s", "kv_len", "mask", "start", "write_idx", "causal", "write_pos", "causal_block", "additive")
 
-    def __init__(self, s, kv_len, mask, start, write_idx, causal=False, write_pos=None):
+    def __init__(self, s, kv_len, mask, start, write_idx, causal=False, write_pos=None, causal_block=False):
         self.s, self.kv_len, self.mask, self.start, self.write_idx = s, kv_len, mask, start, write_idx
-        self.causal, self.write_pos = causal, write_pos
+        self.causal, self.write_pos, self.causal_block = causal, write_pos, causal_block
+        self.additive: dict = {}  # dtype -> the additive mask SDPA gets (KVCache._additive)

@@ -127,18 +127,31 @@ void jf_pack_panels(const float *w, float *panels, int64_t N, int64_t K) {
       for (int64_t j = 0; j < PANEL; j++) panels[(p * K + k) * PANEL + j] = w[(p * PANEL + j) * K + k];
 }
 
-/* panels [p0, p0 + S) for R rows */
-#define DEF_SKINNY(R, S)                                                                                        \
-  static void skinny_##R##_##S(const float *x, const float *panels, float *y, int64_t N, int64_t K, int64_t p0) { \
+/* panels [p0, p0 + S) for R rows, over k in [k0, k1): the sums start at zero when k0 == 0, else from y (where the
+ * previous k range left them), so a sum split over k ranges is still the one sequential sum over k */
+#define DEF_SKINNY_PF(R, S, NAME, PF)                                                                           \
+  static void NAME(const float *x, const float *panels, float *y, int64_t N, int64_t K, int64_t p0, \
+                               int64_t k0, int64_t k1) {                                                         \
     v16 a[R][S][2];                                                                                            \
     for (int r = 0; r < R; r++)                                                                                \
-      for (int s = 0; s < S; s++) a[r][s][0] = a[r][s][1] = (v16){0};                                          \
-    for (int64_t k = 0; k < K; k++) {                                                                          \
+      for (int s = 0; s < S; s++) {                                                                            \
+        if (k0 == 0) {                                                                                         \
+          a[r][s][0] = a[r][s][1] = (v16){0};                                                                  \
+        } else {                                                                                               \
+          a[r][s][0] = *(const v16u *)(y + r * N + (p0 + s) * PANEL);                                          \
+          a[r][s][1] = *(const v16u *)(y + r * N + (p0 + s) * PANEL + 16);                                     \
+        }                                                                                                      \
+      }                                                                                                        \
+    for (int64_t k = k0; k < k1; k++) {                                                                        \
       v16 w[S][2];                                                                                             \
       for (int s = 0; s < S; s++) {                                                                            \
         const float *pw = panels + ((p0 + s) * K + k) * PANEL;                                                 \
         w[s][0] = *(const v16u *)pw;                                                                           \
         w[s][1] = *(const v16u *)(pw + 16);                                                                    \
+        if (PF) {                                                                                              \
+          __builtin_prefetch(pw + (PF) * PANEL);                                                               \
+          __builtin_prefetch(pw + (PF) * PANEL + 16);                                                          \
+        }                                                                                                      \
       }                                                                                                        \
       for (int r = 0; r < R; r++) {                                                                            \
         const float xs = x[r * K + k];                                                                         \
@@ -156,37 +169,57 @@ void jf_pack_panels(const float *w, float *panels, int64_t N, int64_t K) {
       }                                                                                                        \
   }
 
-typedef void (*skinny_fn)(const float *, const float *, float *, int64_t, int64_t, int64_t);
+#define DEF_SKINNY(R, S) DEF_SKINNY_PF(R, S, skinny_##R##_##S, 0)
+/* a second half also fetches the next k chunk of its panels while it computes from cache */
+#define DEF_SECOND(R, S) DEF_SKINNY_PF(R, S, second_##R##_##S, KCHUNK)
+typedef void (*skinny_fn)(const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t);
 #define MAX_ROWS 8 /* rows per pass over the weight */
+#define HALF 4     /* past HALF rows a pass runs in two halves over each k chunk, the second from cache */
+#define KCHUNK 128 /* k values per chunk: S panels x 128 x 32 floats (48 KiB at S = 3) stay in L1/L2 between halves */
 #ifdef __AVX512F__ /* 32 vector registers of 16 floats: up to 28 of them hold sums */
-DEF_SKINNY(1, 4) DEF_SKINNY(2, 4) DEF_SKINNY(3, 4) DEF_SKINNY(4, 3) DEF_SKINNY(5, 2) DEF_SKINNY(6, 2)
-DEF_SKINNY(1, 1) DEF_SKINNY(2, 1) DEF_SKINNY(3, 1) DEF_SKINNY(4, 1) DEF_SKINNY(5, 1) DEF_SKINNY(6, 1)
-DEF_SKINNY(7, 1) DEF_SKINNY(8, 1)
-static const skinny_fn WIDE[MAX_ROWS + 1] = {0, skinny_1_4, skinny_2_4, skinny_3_4, skinny_4_3, skinny_5_2,
-                                             skinny_6_2, skinny_7_1, skinny_8_1};
-static const int STREAMS[MAX_ROWS + 1] = {0, 4, 4, 4, 3, 2, 2, 1, 1};
+DEF_SKINNY(1, 4) DEF_SKINNY(2, 4) DEF_SKINNY(3, 4) DEF_SKINNY(4, 3) DEF_SECOND(1, 3) DEF_SECOND(2, 3)
+DEF_SECOND(3, 3) DEF_SECOND(4, 3) DEF_SKINNY(1, 1) DEF_SKINNY(2, 1) DEF_SKINNY(3, 1) DEF_SKINNY(4, 1)
+static const skinny_fn WIDE[HALF + 1] = {0, skinny_1_4, skinny_2_4, skinny_3_4, skinny_4_3};
+static const int STREAMS[HALF + 1] = {0, 4, 4, 4, 3};
+/* the second half of a pass: the first half's streams */
+static const skinny_fn SECOND[HALF + 1] = {0, second_1_3, second_2_3, second_3_3, second_4_3};
 #else /* 16 registers of 8 floats (a v16 is two) */
-DEF_SKINNY(1, 2) DEF_SKINNY(1, 1) DEF_SKINNY(2, 1) DEF_SKINNY(3, 1) DEF_SKINNY(4, 1) DEF_SKINNY(5, 1)
-DEF_SKINNY(6, 1) DEF_SKINNY(7, 1) DEF_SKINNY(8, 1)
-static const skinny_fn WIDE[MAX_ROWS + 1] = {0, skinny_1_2, skinny_2_1, skinny_3_1, skinny_4_1, skinny_5_1,
-                                             skinny_6_1, skinny_7_1, skinny_8_1};
-static const int STREAMS[MAX_ROWS + 1] = {0, 2, 1, 1, 1, 1, 1, 1, 1};
+DEF_SKINNY(1, 2) DEF_SKINNY(1, 1) DEF_SKINNY(2, 1) DEF_SKINNY(3, 1) DEF_SKINNY(4, 1) DEF_SECOND(1, 1)
+DEF_SECOND(2, 1) DEF_SECOND(3, 1) DEF_SECOND(4, 1)
+static const skinny_fn WIDE[HALF + 1] = {0, skinny_1_2, skinny_2_1, skinny_3_1, skinny_4_1};
+static const int STREAMS[HALF + 1] = {0, 2, 1, 1, 1};
+static const skinny_fn SECOND[HALF + 1] = {0, second_1_1, second_2_1, second_3_1, second_4_1};
 #endif
-static const skinny_fn ONE[MAX_ROWS + 1] = {0, skinny_1_1, skinny_2_1, skinny_3_1, skinny_4_1, skinny_5_1,
-                                            skinny_6_1, skinny_7_1, skinny_8_1};
+static const skinny_fn ONE[HALF + 1] = {0, skinny_1_1, skinny_2_1, skinny_3_1, skinny_4_1};
 
-/* y[R, N] = x[R, K] @ w[N, K]^T: MAX_ROWS rows at a time; the packed columns from panels, S at a time, then one at a time;
- * the last N % PANEL columns from w, one element at a time (the same sum, in the same order) */
+/* y[R, N] = x[R, K] @ w[N, K]^T: MAX_ROWS rows at a time. Up to HALF rows: the packed columns from panels, S at a
+ * time, then one at a time. More: each group of S panels (of the first half's S) k chunk by k chunk, the first
+ * HALF rows then the rest, so the weight comes from memory once and the second half reads it from cache. The last
+ * N % PANEL columns from w, one element at a time (the same sum, in the same order) */
 void jf_skinny_mm(const float *x, const float *panels, const float *w, float *y, int64_t R, int64_t N, int64_t K) {
   const int64_t np = N / PANEL;
   for (int64_t r0 = 0; r0 < R; r0 += MAX_ROWS) {
     const int64_t rows = R - r0 < MAX_ROWS ? R - r0 : MAX_ROWS;
     const float *xr = x + r0 * K;
     float *yr = y + r0 * N;
-    const int64_t S = STREAMS[rows];
+    const int64_t first = rows < HALF ? rows : HALF, rest = rows - first;
+    const int64_t S = STREAMS[first];
     int64_t p = 0;
-    for (; p + S <= np; p += S) WIDE[rows](xr, panels, yr, N, K, p);
-    for (; p < np; p++) ONE[rows](xr, panels, yr, N, K, p);
+    if (rest == 0) {
+      for (; p + S <= np; p += S) WIDE[first](xr, panels, yr, N, K, p, 0, K);
+      for (; p < np; p++) ONE[first](xr, panels, yr, N, K, p, 0, K);
+    } else {
+      for (; p + S <= np; p += S)
+        for (int64_t k0 = 0; k0 < K; k0 += KCHUNK) {
+          const int64_t k1 = k0 + KCHUNK < K ? k0 + KCHUNK : K;
+          WIDE[first](xr, panels, yr, N, K, p, k0, k1);
+          SECOND[rest](xr + first * K, panels, yr + first * N, N, K, p, k0, k1);
+        }
+      for (; p < np; p++) {
+        ONE[first](xr, panels, yr, N, K, p, 0, K);
+        ONE[rest](xr + first * K, panels, yr + first * N, N, K, p, 0, K);
+      }
+    }
     for (int64_t n = np * PANEL; n < N; n++)
       for (int64_t r = 0; r < rows; r++) {
         float acc = 0.f;
