@@ -232,7 +232,7 @@ def test_step_calibration_outliers_and_lock_in():
     AR step 17x; an average seeded with such a step can price drafting out, after which no drafting step runs and
     the penalty never moves. The median of the recent steps ignores first calls, and a penalty unrefreshed by
     drafting steps for ``stale_steps`` AR steps falls back to 1 (the table alone) until drafting is measured anew."""
-    cal = StepCalibration(min_steps=3, stale_steps=10)
+    cal = StepCalibration(min_steps=3, stale_steps=10, min_rows=1)  # (one row priced, as a batch is by default)
     for obs in (0.832, 0.0433, 0.0419):
         cal.record(1, False, 0.0481, obs)
     for pred, obs in ((0.0977, 0.3667), (0.0876, 0.0931), (0.1089, 0.1150)):
@@ -265,7 +265,7 @@ def test_step_calibration_backs_off_where_drafting_steps_emit_less_per_second():
     assert cal.penalty(16) == 4.0
     # one row (SmolLM2, batch 1, Xeon): its drafting steps lost to its AR steps, a mix of weak drafts and strong
     # ones -- priced up by the shortfall, not stopped: a strong draft still pays, a weak one no longer does
-    one = StepCalibration(min_steps=3)
+    one = StepCalibration(min_steps=3, min_rows=1)
     for _ in range(5):
         one.record(1, False, 1.0, 1.0, tokens=1)  # 1 token/s
         one.record(1, True, 1.3, 1.3, tokens=1)  # 0.77 tokens/s
@@ -274,9 +274,26 @@ def test_step_calibration_backs_off_where_drafting_steps_emit_less_per_second():
     assert choose_widths(cost, [RowDraft([0.9] * 4)], draft_penalty=one.penalty(1)) != [0]
     assert choose_widths(cost, [RowDraft([0.4] * 4)]) != [0]
     assert choose_widths(cost, [RowDraft([0.4] * 4)], draft_penalty=one.penalty(1)) == [0]
-    pays = StepCalibration(min_steps=3)
+    pays = StepCalibration(min_steps=3, min_rows=1)
     for _ in range(4):
         pays.record(1, False, 1.0, 1.0, tokens=1)
     for t in (1, 1, 1, 8):  # per-step rates 0.6, 0.6, 0.6, 5 tokens/s: median 0.6 < 1, sum 11 / 6.4 s = 1.7 > 1
         pays.record(1, True, 1.6, 1.6, tokens=t)
     assert pays.penalty(1) == 1.0
+
+
+def test_step_calibration_leaves_a_single_row_to_the_table():
+    """By default one row's steps are not priced (the quickstart JF model at batch 1: calibrated TPF 1.53-1.69,
+    not 1.79; StepCalibration's docstring): drafting steps measured at 3x their forward, or emitting less per second
+    than AR steps, leave the penalty at 1 for one row, and price a batch of two."""
+    cal = StepCalibration(min_steps=3)
+    for rows in (1, 2):
+        for _ in range(5):
+            cal.record(rows, False, 1.0, 1.0, tokens=rows)
+            cal.record(rows, True, 1.0, 3.0, tokens=rows)
+    assert cal.penalty(1) == 1.0 and cal.penalty(2) == 4.0  # (two rows: the rate fell short: the ceiling)
+    one = StepCalibration(min_steps=3, min_rows=1)
+    for _ in range(5):
+        one.record(1, False, 1.0, 1.0, tokens=1)
+        one.record(1, True, 1.0, 3.0, tokens=1)
+    assert one.penalty(1) == pytest.approx(4.0)  # ratio 3 x shortfall 3, clamped to the ceiling

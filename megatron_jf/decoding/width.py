@@ -360,6 +360,14 @@ class StepCalibration:
     :attr:`stale_steps` AR steps old the penalty is 1 again until drafting steps are measured anew. Not from the
     paper (its widths are fixed, chosen offline in Appendix E): this is the on-line choice.
 
+    Below :attr:`min_rows` rows (by default: a single row) the penalty is 1. There the table times the very forward
+    the step runs, and what a drafting step adds around it -- verification, MR's second pass, the pool, 0.2-0.3 ms
+    of the quickstart JF model's 1.2 ms step -- also buys tokens the width choice does not count: the recycled
+    candidates verified next to the draft, and the forward's Jacobi update of the draft itself, which an AR step
+    skips. Priced, it turned one step in five of that model into an AR step that lost ~0.9 tokens: batch 1, 16
+    held-out problems, Intel Xeon, one thread, two runs each: TPF 1.53-1.69 and 909-966 tok/s calibrated, 1.79 and
+    992-1001 tok/s not (AR 857-881); SmolLM2-135M on HumanEval prompts: the same either way (29.5-30.4 tok/s).
+
     Args:
         window: steps of each kind the medians and rates are taken over.
         min_steps: steps of each kind before the penalty departs from 1.
@@ -367,11 +375,13 @@ class StepCalibration:
             to an AR step: it runs the same step around a wider forward); a step's seconds count at most ``high``
             times its prediction in the rates.
         stale_steps: AR steps after the last drafting step at which the penalty falls back to 1.
+        min_rows: the fewest rows whose steps are priced (fewer: the penalty is 1).
     """
 
     def __init__(self, window: int = 15, min_steps: int = 3, bounds: tuple[float, float] = (1.0, 4.0),
-                 stale_steps: int = 64):
+                 stale_steps: int = 64, min_rows: int = 2):
         self.window, self.min_steps, self.bounds, self.stale_steps = window, min_steps, bounds, stale_steps
+        self.min_rows = min_rows
         # (bucket, drafted) -> the last `window` steps as (observed / predicted, tokens or None, seconds counted)
         self._steps: dict[tuple[int, bool], list[tuple[float, int | None, float]]] = {}
         self._count: dict[tuple[int, bool], int] = {}
@@ -410,8 +420,10 @@ class StepCalibration:
         """The factor on a drafting forward at ``rows`` rows: median observed-over-table of drafting steps divided
         by that of AR steps, clamped to :attr:`bounds`; where drafting steps emitted fewer tokens per second than
         AR steps, the ceiling for a batch, and for one row that ratio (at least 1) times the shortfall (AR steps'
-        rate over drafting steps'); 1 until each kind has :attr:`min_steps` steps, and once the last drafting step
-        is :attr:`stale_steps` AR steps old."""
+        rate over drafting steps'); 1 below :attr:`min_rows` rows, until each kind has :attr:`min_steps` steps, and
+        once the last drafting step is :attr:`stale_steps` AR steps old."""
+        if rows < self.min_rows:
+            return 1.0
         b = self.bucket(rows)
         d, a = (b, True), (b, False)
         if min(self._count.get(d, 0), self._count.get(a, 0)) < self.min_steps:
