@@ -271,7 +271,7 @@ class BatchSession:
         """One decode forward for rows ``[lo, hi)`` (their drafts and candidates in ``seqs``), then verification
         and the KV commit of each. MR candidates are verified as :mod:`~megatron_jf.inference.mr_verify` says: in
         the same forward (``tree``) or, after the main chains, in a second pass over only the candidates that can
-        still win (``pruned``)."""
+        still win (``pruned``; rows of ``draft_width="auto"`` run none)."""
         rows = self._rows[lo:hi]
         runner = self.runner
         any_cands = any(r.cands for r in rows)
@@ -293,7 +293,7 @@ class BatchSession:
             best = None
             if r.cands and not pruned:
                 best = mr_verify.best_in_tree(main, g, k_main, logits[i], r.cands, r.n_main)
-            elif r.cands:
+            elif r.cands and r.request.decode.draft_width != "auto":  # (auto: no second pass, mr_verify's docstring)
                 live = mr_verify.live_candidates(r.draft, g, k_main, r.cands)
                 if live:
                     best, _ = runner.second_pass(view, i, base=len(r.ctx) - 1, block=s, main_logits=main, g=g,
