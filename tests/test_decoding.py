@@ -277,6 +277,9 @@ def test_product_kernels_are_measured_kept_with_the_table_and_applied(models, mo
     a, b = sorted(shapes)[0]
     assert f"{a}x{b} linear 1-3, packed 4+" in summary
     assert cost_model.packing_summary({"key": {}}) is None
+    # what runs, not only what was measured: a skinny choice holds for one pass of the weight (8 rows)
+    wide = cost_model.packing_summary({"products": {"960x576": [[1, "transposed"], [2, "skinny"], [12, "packed"]]}})
+    assert wide.endswith("960x576 transposed 1, skinny 2-8, packed 9+")
     assert cost_model.products_from_about({"products": {"3x4": [[2, "packed"]]}}) is None  # must start at 1 row
     assert cost_model.products_from_about({"products": {"3x4": [[1, "gemv"]]}}) is None
 
