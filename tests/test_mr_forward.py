@@ -237,3 +237,26 @@ def test_branch_next_token_is_greedy_verification(model):
             assert verify(br.tokens, br.logits, SamplingParams(), None) == br.tokens[:br.matched] + [br.next_token]
             n += 1
     assert n >= 3
+
+
+def test_auto_width_rows_run_no_second_pass(model, monkeypatch):
+    """``pruned`` verification: rows of ``draft_width="auto"`` forward their main chain only (a second pass costs a
+    whole forward on a CPU; mr_verify's docstring) and still give AR's greedy output; fixed-width rows on the same
+    prompts do run second passes (so the spy sees them)."""
+    from megatron_jf.decoding.width import ForwardCost
+    from megatron_jf.inference import mr_verify
+    from megatron_jf.inference.engine import DecodeConfig, Engine, InferenceOptions
+
+    prompts = [[5, 9, 5, 9, 5, 9, 3, 5, 9, 5], [1, 2, 3, 1, 2, 3, 1, 2], [7, 7, 7, 8, 7, 7, 7, 8, 7]]
+    eng = Engine(model, check_invariants=True, options=InferenceOptions(mr_verify="pruned"),
+                 forward_cost=ForwardCost({1: {1: 1.0, 64: 1.0}, 4: {1: 1.0, 64: 1.0}}))  # wide forwards free: auto rows draft their whole chain
+    passes = []
+    orig = mr_verify.pruned_second_pass
+    monkeypatch.setattr(mr_verify, "pruned_second_pass", lambda *a, **kw: passes.append(1) or orig(*a, **kw))
+    ar = eng.generate(prompts, DecodeConfig("ar"), max_new_tokens=40)
+    kw = dict(block_size=4, num_blocks=2, spawn_threshold=0.5, verification_size=4)
+    auto = eng.generate(prompts, DecodeConfig("mr", draft_width="auto", **kw), max_new_tokens=40)
+    assert [r.tokens for r in auto] == [r.tokens for r in ar] and not passes
+    assert sum(w > 0 for r in auto for w in r.draft_lens) > 0  # (the rows did draft)
+    fixed = eng.generate(prompts, DecodeConfig("mr", draft_width="fixed", **kw), max_new_tokens=40)
+    assert [r.tokens for r in fixed] == [r.tokens for r in ar] and passes
