@@ -45,29 +45,29 @@ def test_width_follows_the_cost_table():
 
 
 def _choose_widths_every_width(cost, rows, overhead_s=0.0, margin=0.05, draft_penalty=1.0):
-    """choose_widths' rule with every width of the grid evaluated (no early stop): the reference."""
-    b, floor, auto = len(rows), 1, []
-    for r in rows:
-        if r.fixed:
-            floor = max(floor, 1 + len(r.probs) + sum(r.branches))
-        else:
-            auto.append((r, expected_accepted(r.probs)))
-    ceiling = max((len(r.probs) for r, _ in auto), default=0)
-    fixed_tokens = sum(1 + expected_accepted(r.probs)[-1] for r in rows if r.fixed)
-    best_w, best, ar = 0, None, None
-    for W in width_grid(ceiling):
-        s, tokens = floor, fixed_tokens
-        for r, e in auto:
-            w = min(W, len(r.probs))
-            tokens += 1 + e[w]
-            s = max(s, 1 + w + sum(min(W, x) for x in r.branches))
-        seconds = cost.seconds(b, s) * (draft_penalty if W else 1.0) + overhead_s
-        rate = tokens / seconds
-        if best is None:
-            best_w, best, ar = W, rate, seconds
-        elif rate >= (best if best_w else best * (1 + margin if seconds > ar else 1)):
-            best_w, best = W, rate
-    return [len(r.probs) if r.fixed else min(best_w, len(r.probs)) for r in rows]
+    """The reference: choose_widths' documented rule with every width of the grid evaluated (no early stop)."""
+    fixed = [r for r in rows if r.fixed]
+    auto = [r for r in rows if not r.fixed]
+
+    def emitted(W):  # expected tokens of the step: 1 + E(min(W, ceiling)) per row (fixed rows: their whole draft)
+        return sum(1 + expected_accepted(r.probs)[len(r.probs) if r.fixed else min(W, len(r.probs))] for r in rows)
+
+    def forwarded(W):  # the padded forward's tokens per row
+        lens = [1 + len(r.probs) + sum(r.branches) for r in fixed]
+        lens += [1 + min(W, len(r.probs)) + sum(min(W, x) for x in r.branches) for r in auto]
+        return max(lens + [1])
+
+    def seconds(W):
+        return cost.seconds(len(rows), forwarded(W)) * (draft_penalty if W else 1.0) + overhead_s
+
+    grid = width_grid(max((len(r.probs) for r in auto), default=0))
+    rates = {W: emitted(W) / seconds(W) for W in grid}
+    pick = 0
+    for W in grid[1:]:
+        need = rates[pick] if pick else rates[0] * (1 + margin if seconds(W) > seconds(0) else 1)
+        if rates[W] >= need:
+            pick = W
+    return [len(r.probs) if r.fixed else min(pick, len(r.probs)) for r in rows]
 
 
 def test_width_search_stops_early_with_the_same_choice():
