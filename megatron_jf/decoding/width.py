@@ -319,8 +319,12 @@ def choose_widths(cost: ForwardCost, rows: Sequence[RowDraft], overhead_s: float
     ceiling = max((len(r.probs) for r, _ in auto), default=0)
     fixed_tokens = sum(1 + expected_accepted(r.probs)[-1] for r in rows if r.fixed)
     # no width emits more than every auto row's whole draft: once that many tokens over a width's forward (whose
-    # cost only grows with W) cannot reach the best rate, no wider width can, and the search stops
-    most_tokens = fixed_tokens + sum(1 + e[-1] for _, e in auto)
+    # cost only grows with W) cannot reach the best rate, no wider width can, and the search stops. Summed as the
+    # loop below sums a width's tokens, term by term (Python 3.12's sum() compensates: an ulp below a tie would stop
+    # the search before a wider width that ties)
+    most_tokens = fixed_tokens
+    for _, e in auto:
+        most_tokens += 1 + e[-1]
     best_w, best, ar_seconds = 0, None, None
     for W in width_grid(ceiling):
         s, tokens = floor, fixed_tokens
