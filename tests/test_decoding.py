@@ -159,6 +159,30 @@ def test_width_follows_the_cost_table_in_the_engine(models):
     assert Engine(eng.model, forward_cost=free).step_calibration is None
 
 
+def test_fast_forwards_are_timed_more_often(models, monkeypatch):
+    """measure_rows: REPS passes over the points, and more while the measurement has taken under REFINE_S -- a fast
+    forward's points are the fastest of many timings (its table drove the auto width, and 3 timings of a 1 ms
+    forward varied by 15 % between processes)."""
+    from megatron_jf.inference import cost_model
+    from megatron_jf.inference.runner import ModelRunner
+
+    _, eng = models["qwen2-random"]
+    runner = ModelRunner(eng.model, 1, 160, options=eng.options)
+    calls = []
+    real = cost_model._forward_seconds
+    monkeypatch.setattr(cost_model, "_forward_seconds", lambda *a: calls.append(a[2]) or real(*a))
+    counts = {}
+    for refine in (0.0, 0.3):
+        monkeypatch.setattr(cost_model, "REFINE_S", refine)
+        calls.clear()
+        times = cost_model.measure_rows(runner, 1, 4, reps=3)
+        counts[refine] = len(calls)
+        assert sorted(times) == [1, 2, 3, 4] and all(t > 0 for t in times.values())
+    # warm-ups (2) + the first 1-token time + a pass per point (the 1-token reference beside each other point)
+    assert counts[0.0] == 3 + 3 * (1 + 3 * 2)
+    assert counts[0.3] > counts[0.0]
+
+
 def test_forward_cost_measured_once_and_cached(models, monkeypatch, tmp_path):
     """The forward's cost is measured at first need for the batch's row counts, written atomically under the cache
     directory keyed by the model's shape, dtype, device and threads, and read back by a later engine."""

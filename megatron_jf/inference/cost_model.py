@@ -56,6 +56,10 @@ BUDGET_S = 4.0
 #: Passes over the points; each point's fastest time is kept (the machine's own cost: slower runs waited for a
 #: shared core).
 REPS = 3
+#: More passes while a row count's measurement has taken less than this (seconds): a fast forward's points are
+#: then the fastest of many. The quickstart's 1 ms model at 3 passes: its 3-4 token points came out at 1.3-1.4 ms in
+#: one measurement, 1.2 in another (the auto width drafted 2.0 tokens a step against 3.0, 1.20x AR against 1.27x).
+REFINE_S = 0.5
 #: Product rows (rows x tokens per row) at which :func:`calibrate_products` times each fp32 kernel: the drafts of
 #: batch 1 and the AR steps and small drafts of batches; larger products take the choice of the largest.
 PRODUCT_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
@@ -68,8 +72,9 @@ PACKING_MIN_SAVING = 0.02
 #: 9: the fp32 packing choices measured; 10: the fp32 kernel measured per weight shape and rows
 #: (``about["products"]``); 11: the lean forward's C glue and its ``skinny`` product kernel; 12: the KV cache's
 #: additive masks made once per forward, the final norm in the glue; 13: ``skinny`` timed up to the rows of one pass
-#: (8), taking 5-8 rows in one pass. (The C glue's build is part of the key too.)
-VERSION = 13
+#: (8), taking 5-8 rows in one pass. (The C glue's build is part of the key too.) 14: passes repeated for
+#: :data:`REFINE_S`.
+VERSION = 14
 
 
 def _device_name(device: torch.device) -> str:
@@ -339,8 +344,9 @@ def _apply_packing(runner, about: dict) -> None:
 
 def measure_rows(runner, rows: int, max_tokens: int, *, context: int = CONTEXT, budget_s: float = BUDGET_S,
                  reps: int = REPS) -> dict[int, float]:
-    """Seconds of one decode forward of ``rows`` rows x ``s`` tokens (the fastest of ``reps``) for ``s`` in
-    :data:`TOKENS` up to ``max_tokens`` (and ``max_tokens``), until :data:`STOP_RATIO` or ``budget_s``.
+    """Seconds of one decode forward of ``rows`` rows x ``s`` tokens (the fastest of ``reps`` passes, more while the
+    measurement has taken under :data:`REFINE_S`) for ``s`` in :data:`TOKENS` up to ``max_tokens`` (and
+    ``max_tokens``), until :data:`STOP_RATIO` or ``budget_s``.
 
     Args:
         runner: a :class:`~megatron_jf.inference.runner.ModelRunner` with at least ``rows`` rows of
@@ -369,9 +375,11 @@ def measure_rows(runner, rows: int, max_tokens: int, *, context: int = CONTEXT, 
             spent = agreed_seconds(time.perf_counter() - start)
             if len(times) >= 4 and (times[s] > STOP_RATIO * times[1] or spent > budget_s):
                 break
-        for _ in range(reps - 1):  # then whole passes again, each point's fastest time kept
-            for s in list(times):
+        passes = 1
+        while passes < reps or agreed_seconds(time.perf_counter() - start) < REFINE_S:
+            for s in list(times):  # then whole passes again, each point's fastest time kept
                 point(s)
+            passes += 1
     finally:
         cache.lengths.zero_()
     return times
