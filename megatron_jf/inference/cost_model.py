@@ -306,27 +306,19 @@ def packing_summary(about: dict) -> str | None:
     """One line saying which way the fp32 products run, as :func:`calibrate_products` measured (from a cost table's
     ``about``), e.g. ``"fp32 products by rows, as measured on this machine: 576x1536 linear 1-3, packed 4+; ..."``;
     None when it did not run (not the lean forward on a CPU with fp32 weights). Raises nothing."""
-    from megatron_jf.inference.lean_forward import SKINNY_MAX_ROWS, LeanForward
+    from megatron_jf.inference.lean_forward import SKINNY_MAX_ROWS, LeanForward, measured_kernel
 
     kernels = products_from_about(about) if "products" in about else None
     if not kernels:
         return None
     parts = []
-    for (a, b), picks in kernels.items():
-        picks = list(picks)
-        for i, (r, k) in enumerate(picks):  # a skinny choice ends at one pass of the weight: the default past it
-            end = picks[i + 1][0] - 1 if i + 1 < len(picks) else None
-            if k == "skinny" and (end is None or end > SKINNY_MAX_ROWS):
-                past = LeanForward.default_kernel(torch.empty(a, b, device="meta"), SKINNY_MAX_ROWS + 1)
-                picks.insert(i + 1, (max(r, SKINNY_MAX_ROWS + 1), past))
-                if r > SKINNY_MAX_ROWS:
-                    del picks[i]
-                break
-        merged = []
-        for r, k in picks:
-            if not merged or merged[-1][1] != k:
-                merged.append((r, k))
-        picks = merged
+    for (a, b), table in kernels.items():
+        w = torch.empty(a, b, device="meta")  # (the default kernel goes by the weight's size)
+        picks = []  # what runs, row count by row count up to past the table and one skinny pass, as runs
+        for r in range(1, max(table[-1][0], SKINNY_MAX_ROWS) + 2):
+            k = measured_kernel(table, r, lambda: LeanForward.default_kernel(w, SKINNY_MAX_ROWS + 1))
+            if not picks or picks[-1][1] != k:
+                picks.append((r, k))
         spans = []
         for i, (r, k) in enumerate(picks):
             end = picks[i + 1][0] - 1 if i + 1 < len(picks) else None

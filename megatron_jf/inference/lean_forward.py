@@ -91,6 +91,18 @@ PRODUCT_KERNELS = ("transposed", "packed", "linear", "skinny")
 #: Intel Xeon: a 9-token forward took 84 ms against 58 ms at 8 when the 8-row choice, ``skinny``, ran two passes).
 SKINNY_MAX_ROWS = 8
 
+
+def measured_kernel(table, rows: int, default):
+    """The kernel a measured choice ``((from_rows, kernel), ...)`` (ascending from 1 row) gives a product of ``rows``
+    rows: the last entry at or below ``rows``; a ``skinny`` one only up to :data:`SKINNY_MAX_ROWS` rows, past them
+    ``default()`` (:meth:`LeanForward.default_kernel` for the weight)."""
+    kind = table[0][1]
+    for first, k in table:
+        if first > rows:
+            break
+        kind = k
+    return default() if kind == "skinny" and rows > SKINNY_MAX_ROWS else kind
+
 #: fp32 one-row products through weights of at least this many elements take the packed copy until measured: oneDNN
 #: reads a large packed weight faster than ``x @ W_t`` (SmolLM2-135M's 49,152 x 960 output layer at one row: 4.9 ms
 #: packed, 7.9 ms transposed, 11.0 ms ``F.linear``; its 1.5-4.9 M-element layer weights: equal within 5 %; a
@@ -226,14 +238,7 @@ class LeanForward:
         table = self.kernels.get((w.shape[0], w.shape[-1])) if w.dtype == torch.float32 else None
         if not table:
             return self.default_kernel(w, rows)
-        kind = table[0][1]
-        for first, k in table:
-            if first > rows:
-                break
-            kind = k
-        if kind == "skinny" and rows > SKINNY_MAX_ROWS:
-            return self.default_kernel(w, rows)
-        return kind
+        return measured_kernel(table, rows, lambda: self.default_kernel(w, rows))
 
     def _linear(self, x, w, name: str, bias=None, kind: str | None = None):
         if name not in self.gemv_transposed:
@@ -439,13 +444,12 @@ class LeanForward:
         h = torch.empty_like(x)
         q, k, v = x.new_empty(b, nh, s, hd), x.new_empty(b, ng, s, hd), x.new_empty(b, ng, s, hd)
         act, r = None, None
-        fp32_eps = torch.finfo(torch.float32).eps  # torch.nn.RMSNorm's eps=None
         for slot, L in enumerate(self.layers):
-            glue.add_rmsnorm(x, r, L.ln1, h, fp32_eps if L.eps1 is None else L.eps1)
+            glue.add_rmsnorm(x, r, L.ln1, h, _norm_eps(L.eps1))
             glue.rope_split_qkv(self._linear(h, L.qkv_w, L.names[0], L.qkv_b), cos, sin, q, k, v, ng, qpg, hd)
             o = attend(slot, q, k, v).transpose(1, 2).reshape(b, s, nh * hd)
             glue.add_rmsnorm(x, self._all_reduce(self._linear(o, L.proj_w, L.names[1])), L.ln2, h,
-                             fp32_eps if L.eps2 is None else L.eps2)
+                             _norm_eps(L.eps2))
             gu = self._linear(h, L.fc1_w, L.names[2])
             if act is None:
                 act = gu.new_empty(b, s, gu.shape[-1] // 2)
@@ -462,7 +466,7 @@ class LeanForward:
         if glue is not None:
             ln, x = self.final_ln, x.contiguous()
             h = torch.empty_like(x)
-            glue.add_rmsnorm(x, None, ln.weight, h, torch.finfo(torch.float32).eps if ln.eps is None else ln.eps)
+            glue.add_rmsnorm(x, None, ln.weight, h, _norm_eps(ln.eps))
             x = h
         else:
             x = self.final_ln(x)
@@ -501,6 +505,11 @@ def _sdpa(slot, q, k, v, *, mask, causal, scale, gqa):
     """Attention without a KV cache: causal, or ``mask`` (True = attend); q ``[b, nh, s, hd]``, k/v ``[b, ng, s,
     hd]``."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+
+
+def _norm_eps(eps: float | None) -> float:
+    """An RMSNorm's epsilon as the C glue takes it: ``torch.nn.RMSNorm``'s ``eps=None`` is fp32's machine epsilon."""
+    return torch.finfo(torch.float32).eps if eps is None else eps
 
 
 def _rotate_half(x):
