@@ -90,10 +90,11 @@ def test_kv_cache_rows_roll_back_independently(mp1):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kv_cache_masks_equal_the_boolean_ones(dtype):
-    """``KVCache.update`` hands SDPA an additive mask, made once per forward (a causal draft block: a view of a
-    template kept per block size and dtype): it must allow exactly what the boolean mask of the cache's contract
-    allows -- committed slots and the new tokens' causal (or given) mask -- at every committed length the template
-    is reused for, and give SDPA the output the boolean mask gives, bit for bit."""
+    """``KVCache.update`` hands SDPA an additive mask, made once per forward (a causal draft block: a view of one
+    template per dtype, grown for a wider block, a narrower block its corner): it must allow exactly what the
+    boolean mask of the cache's contract allows -- committed slots and the new tokens' causal (or given) mask -- at
+    every committed length and block size the template is reused for, and give SDPA the output the boolean mask
+    gives, bit for bit."""
     from megatron_jf.models.kv_cache import KVCache
 
     g = torch.Generator().manual_seed(5)

@@ -50,7 +50,7 @@ class KVCache:
         self.batch_size = batch_size
         self.lengths = torch.zeros(batch_size, dtype=torch.long)  # committed tokens per row (host)
         self._step: _Step | None = None
-        self._templates: dict = {}  # (block size, dtype) -> additive causal template (_additive)
+        self._templates: dict = {}  # dtype -> additive causal template for the widest block seen (_additive)
 
     # ------------------------------------------------------------------ forward protocol
     def begin(self, num_new: int, new_mask: torch.Tensor | None = None, *, causal_kernel: bool = False,
@@ -171,19 +171,18 @@ class KVCache:
     def _additive(self, st: "_Step", dtype: torch.dtype) -> torch.Tensor | None:
         """The step's mask as SDPA's additive float mask in ``dtype`` (0 = attend, -inf = masked), made once per
         forward and dtype (SDPA would convert a boolean mask in every layer). A causal draft block after equal
-        rows is a view of a template kept per block size and dtype: columns ``[0, start)`` zero, then the block's
-        upper triangle -inf."""
+        rows is a view of one template per dtype, sized for the widest block seen: ``max_len`` zero columns, then
+        an upper triangle of -inf, whose top-left ``s x s`` corner is any narrower block's."""
         hit = st.additive.get(dtype)
         if hit is not None or (st.mask is None and not st.causal_block):
             return hit
         if st.causal_block:
-            key = (st.s, dtype)
-            t = self._templates.get(key)
-            if t is None:
-                t = torch.zeros(st.s, self.max_len + st.s, dtype=dtype, device=self.k.device)
-                t[:, self.max_len:] = torch.full((st.s, st.s), float("-inf"), dtype=dtype).triu_(1)
-                self._templates[key] = t
-            hit = t[None, None, :, self.max_len - st.start:self.max_len + st.s]
+            n, t = st.s, self._templates.get(dtype)
+            if t is None or t.shape[0] < n:
+                t = torch.zeros(n, self.max_len + n, dtype=dtype, device=self.k.device)
+                t[:, self.max_len:] = torch.full((n, n), float("-inf"), dtype=dtype).triu_(1)
+                self._templates[dtype] = t
+            hit = t[None, None, :n, self.max_len - st.start:self.max_len + n]
         else:
             hit = torch.zeros(st.mask.shape, dtype=dtype, device=st.mask.device).masked_fill_(~st.mask, float("-inf"))
         st.additive[dtype] = hit
