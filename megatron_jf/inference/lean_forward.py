@@ -95,7 +95,9 @@ SKINNY_MAX_ROWS = 8
 def measured_kernel(table, rows: int, default):
     """The kernel a measured choice ``((from_rows, kernel), ...)`` (ascending from 1 row) gives a product of ``rows``
     rows: the last entry at or below ``rows``; a ``skinny`` one only up to :data:`SKINNY_MAX_ROWS` rows, past them
-    ``default()`` (:meth:`LeanForward.default_kernel` for the weight)."""
+    ``default()`` (:meth:`LeanForward.default_kernel` for the weight). A name from :data:`PRODUCT_KERNELS`; raises
+    nothing (an empty table is the caller's: :meth:`LeanForward.kernel` takes the default then). Not from the paper:
+    the CPU engine's product kernels."""
     kind = table[0][1]
     for first, k in table:
         if first > rows:
