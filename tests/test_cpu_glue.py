@@ -93,26 +93,32 @@ def test_a_tokens_glue_values_do_not_depend_on_the_tokens_beside_it(glue):
 @pytest.mark.parametrize("n,k", [(960, 576), (37, 19), (5 * 32, 64), (9 * 32 + 7, 33), (3 * 32 + 5, 300)])
 def test_skinny_products_equal_the_sequential_sum_and_do_not_depend_on_the_rows(glue, n, k):
     """Every output element is the sequential fp32 sum over k (checked against a float64 reference and against
-    itself computed alone): 1-11 rows (up to eight a pass; past four, in two halves over k chunks of 128, the sums
-    carried from one chunk to the next), panels several / one at a time, and the columns past the last full panel."""
+    itself computed alone): 1-19 rows (up to 16 a pass; past four, in groups of four over k chunks, the sums carried
+    from one chunk to the next), panels several / one at a time, and the columns past the last full panel."""
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g)
     panels = glue.pack_panels(w)
     assert panels.shape == (n // 32, k, 32)
-    x = torch.randn(11, k, generator=g)
-    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11):
+    x = torch.randn(19, k, generator=g)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 16, 17, 19):
         y = glue.skinny_mm(x[:rows].contiguous(), panels, w)
         torch.testing.assert_close(y.double(), x[:rows].double() @ w.double().T, rtol=1e-5, atol=k * 1e-6)
         for r in range(rows):
             alone = glue.skinny_mm(x[r:r + 1].contiguous(), panels, w)
             assert torch.equal(alone[0], y[r]), f"row {r} of {rows}"
-    # the order of the sum is k's: a packed column and the last one by hand, for the first half's and second's rows
-    y8 = glue.skinny_mm(x[:8].contiguous(), panels, w)
-    for r, col in ((0, n - 1), (0, 0), (6, 0)):
+    # the order of the sum is k's: a packed column and the last one by hand, for the first half's and second's rows;
+    # a fused multiply-add is the exact x * w (a float32 product is exact in float64) plus the sum, rounded once
+    y8 = glue.skinny_mm(x[:16].contiguous(), panels, w)
+    for r, col in ((0, n - 1), (0, 0), (6, 0), (15, 0)):
         acc = torch.zeros((), dtype=torch.float32)
         for j in range(k):
-            acc = acc + x[r, j] * w[col, j]
+            if glue.fused:
+                acc = (x[r, j].double() * w[col, j].double() + acc.double()).float()
+            else:
+                acc = acc + x[r, j] * w[col, j]
         assert torch.equal(y8[r, col], acc), (r, col)
+    if os.path.exists("/proc/cpuinfo"):  # -march=native: fused exactly where the CPU has FMA
+        assert glue.fused == ("fma" in open("/proc/cpuinfo").read().split())
 
 
 def _tiny(family="llama", tied=True, seed=2):

@@ -244,7 +244,7 @@ def test_product_kernels_are_measured_kept_with_the_table_and_applied(models, mo
 
     from megatron_jf.inference import cost_model
     from megatron_jf.inference.engine import Engine
-    from megatron_jf.inference.lean_forward import lean_forward_for
+    from megatron_jf.inference.lean_forward import SKINNY_MAX_ROWS, lean_forward_for
     from megatron_jf.models.gpt import unwrap
 
     choose = cost_model.choose_kernels
@@ -279,14 +279,15 @@ def test_product_kernels_are_measured_kept_with_the_table_and_applied(models, mo
         assert sorted(timings) == list(cost_model.PRODUCT_ROWS)
         kinds = {"transposed", "linear", "packed"}
         for r, x in timings.items():  # skinny: with the C glue, up to the rows of one pass over the weight
-            assert set(x) == kinds | ({"skinny"} if lean.glue and r <= 8 else set()) and min(x.values()) > 0
+            skinny = {"skinny"} if lean.glue and r <= SKINNY_MAX_ROWS else set()
+            assert set(x) == kinds | skinny and min(x.values()) > 0
     assert lean.kernels == {s: ((1, "linear"), (4, "packed")) for s in shapes}
     assert not lean._wt and not lean._wk  # no choice uses the transposed or panel copies: freed
     w = next(iter(lean.products().values()))[0][1]
     assert lean.kernel(w, 3) == "linear"
-    with monkeypatch.context() as mp:  # a skinny choice holds for one pass of the weight (8 rows), not past it
+    with monkeypatch.context() as mp:  # a skinny choice holds for one pass of the weight (16 rows), not past it
         mp.setattr(lean, "kernels", {tuple(w.shape): ((1, "skinny"),)})
-        assert lean.kernel(w, 8) == "skinny" and lean.kernel(w, 9) == lean.default_kernel(w, 9) != "skinny"
+        assert lean.kernel(w, 16) == "skinny" and lean.kernel(w, 17) == lean.default_kernel(w, 17) != "skinny"
     want = {f"{a}x{b}": [[1, "linear"], [4, "packed"]] for a, b in shapes}
     assert cost.about["products"] == want
     [f] = (tmp_path / "forward_cost").glob("*.json")
@@ -301,9 +302,9 @@ def test_product_kernels_are_measured_kept_with_the_table_and_applied(models, mo
     a, b = sorted(shapes)[0]
     assert f"{a}x{b} linear 1-3, packed 4+" in summary
     assert cost_model.packing_summary({"key": {}}) is None
-    # what runs, not only what was measured: a skinny choice holds for one pass of the weight (8 rows)
-    wide = cost_model.packing_summary({"products": {"960x576": [[1, "transposed"], [2, "skinny"], [12, "packed"]]}})
-    assert wide.endswith("960x576 transposed 1, skinny 2-8, packed 9+")
+    # what runs, not only what was measured: a skinny choice holds for one pass of the weight (16 rows)
+    wide = cost_model.packing_summary({"products": {"960x576": [[1, "transposed"], [2, "skinny"], [24, "packed"]]}})
+    assert wide.endswith("960x576 transposed 1, skinny 2-16, packed 17+")
     assert cost_model.products_from_about({"products": {"3x4": [[2, "packed"]]}}) is None  # must start at 1 row
     assert cost_model.products_from_about({"products": {"3x4": [[1, "gemv"]]}}) is None
 

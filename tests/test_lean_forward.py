@@ -79,7 +79,7 @@ def test_lean_equals_megatron_with_kv_cache_tree_mask_and_ragged_rows(pairs, nam
     for a, b in zip(outs["lean"], outs["megatron"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     # the products went the way the rules or the forced kernel say (copies are made on first use)
-    # (skinny takes up to 8 rows a pass: the 18- and 12-row products here take the default rule, packed)
+    # (skinny takes up to 16 rows a pass: the 18-row products here take the default rule, packed)
     assert bool(lf._wp) == (kind in ("default-packed", "packed", "skinny") and lf.packed)
     assert bool(lf._wk) == (kind == "skinny" and bool(lf.glue))  # the last step's 2-row products (with the C glue)
     assert bool(lf._wt) == (kind in ("default-transposed", "transposed"))  # (every product here has 2+ rows)

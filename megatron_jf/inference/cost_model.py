@@ -73,8 +73,8 @@ PACKING_MIN_SAVING = 0.02
 #: (``about["products"]``); 11: the lean forward's C glue and its ``skinny`` product kernel; 12: the KV cache's
 #: additive masks made once per forward, the final norm in the glue; 13: ``skinny`` timed up to the rows of one pass
 #: (8), taking 5-8 rows in one pass. (The C glue's build is part of the key too.) 14: passes repeated for
-#: :data:`REFINE_S`.
-VERSION = 14
+#: :data:`REFINE_S`. 15: ``skinny`` up to 16 rows a pass, fused multiply-adds.
+VERSION = 15
 
 
 def _device_name(device: torch.device) -> str:

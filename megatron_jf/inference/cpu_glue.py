@@ -72,6 +72,10 @@ class Glue:
         self._skinny.argtypes = [_P, _P, _P, _P, _I, _I, _I]
         for f in (self._add_rmsnorm, self._add, self._rope, self._silu_mul, self._pack, self._skinny):
             f.restype = None
+        lib.jf_skinny_fused.restype = ctypes.c_int
+        #: True where :meth:`skinny_mm` fuses each multiply-add (the CPU has FMA: one rounding per k), False where a
+        #: product and a sum round apart.
+        self.fused = bool(lib.jf_skinny_fused())
 
     def add_rmsnorm(self, x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, out: torch.Tensor,
                     eps: float) -> None:
@@ -112,9 +116,9 @@ class Glue:
 
     def skinny_mm(self, x: torch.Tensor, panels: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``x @ w.T`` ``[..., N]`` for ``x`` ``[..., K]`` (contiguous fp32) through ``panels`` (:meth:`pack_panels`
-        of ``w``). Each output element is the sequential fp32 sum over ``k`` of ``x[r, k] * w[n, k]``, so a row's
-        bits do not depend on the rows beside it; fast for a few rows (the weight is read once per eight rows, from
-        several panels at a time)."""
+        of ``w``). Each output element is the sequential fp32 sum over ``k`` of ``x[r, k] * w[n, k]`` (one fused
+        multiply-add per ``k`` where :attr:`fused`), so a row's bits do not depend on the rows beside it; fast for a
+        few rows (the weight is read once per 16 rows, from several panels at a time)."""
         n, k = w.shape
         y = x.new_empty(*x.shape[:-1], n)
         self._skinny(x.data_ptr(), panels.data_ptr(), w.data_ptr(), y.data_ptr(), x.numel() // k, n, k)

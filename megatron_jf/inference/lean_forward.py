@@ -88,8 +88,9 @@ PACKED_MIN_MACS = 1 << 19
 PRODUCT_KERNELS = ("transposed", "packed", "linear", "skinny")
 #: The most rows the ``skinny`` kernel takes in one pass over a weight (``MAX_ROWS`` in ``csrc/glue.c``): a product of
 #: more runs another pass, so past it a ``skinny`` choice gives way to :meth:`LeanForward.default_kernel` (SmolLM2-135M,
-#: Intel Xeon: a 9-token forward took 84 ms against 58 ms at 8 when the 8-row choice, ``skinny``, ran two passes).
-SKINNY_MAX_ROWS = 8
+#: Intel Xeon: a 9-token forward took 84 ms against 58 ms at 8 when the 8-row choice, ``skinny``, ran two passes of
+#: a kernel then capped at 8 rows).
+SKINNY_MAX_ROWS = 16
 
 
 def measured_kernel(table, rows: int, default):

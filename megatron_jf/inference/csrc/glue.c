@@ -108,18 +108,50 @@ void jf_silu_mul(const float *gu, float *out, int64_t rows, int64_t ff) {
 }
 
 /* ---------------------------------------------------------------------------------------------------------------
- * Skinny products: y[R, N] = x[R, K] @ W^T for a few rows R, W given as panels (jf_pack_panels), read once per eight
- * rows. Every output element is the sequential sum over k = 0..K-1 of x[r, k] * W[n, k], one rounding per product and
- * per sum, whichever of the loops below computes it: a row's bits do not depend on R or on the rows beside it.
- * Speed comes from reading S panels (S memory streams) at once with the R x S x 32 sums in registers: on an Intel
- * Xeon (one thread, weights from memory) SmolLM2-135M's 3,072 x 576 product took 451 / 490 / 508 us at 1 / 2 / 3 rows
- * against 491 / 636 / 631 us for the fastest of MKL and oneDNN. Past four rows the registers hold four rows' sums:
- * each group of panels is taken k chunk by k chunk, the first four rows then the rest, the second half reading the
- * chunk from cache while it prefetches the next (602-672 us at 5-8 rows, against 643-917 in one-panel passes).
+ * Skinny products: y[R, N] = x[R, K] @ W^T for a few rows R, W given as panels (jf_pack_panels), read once per 16
+ * rows. Every output element is the sequential sum over k = 0..K-1 of x[r, k] * W[n, k], one fused multiply-add per
+ * k where the CPU has FMA (one rounding each; else a rounded product and a rounded sum), whichever of the loops below
+ * computes it: a row's bits do not depend on R or on the rows beside it (jf_skinny_fused says which rounding).
+ * Speed comes from reading S panels (S memory streams) at once with the R x S x 32 sums in registers, fetching each
+ * panel PF k values ahead: on an Intel Xeon (one thread, weights from memory) SmolLM2-135M's 3,072 x 576 product took
+ * 451-480 us at 1-4 rows against 528-1,117 us for the fastest of MKL and oneDNN. Past four rows the registers hold
+ * four rows' sums: each group of panels is taken k chunk by k chunk, four rows at a time, all but the first four
+ * reading the chunk from L1 (492-532 us at 5-8 rows, 541-710 at 9-16; MKL 1,184-1,874). Measured on that Xeon
+ * against the previous kernel (no prefetch, no FMA, two halves of 8 rows at most, chunks of 128): 464-637 -> 451-532 us
+ * at 1-8 rows, 876-944 -> 541-710 at 9-16.
  * --------------------------------------------------------------------------------------------------------------- */
 #define PANEL 32 /* output columns per panel */
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
+
+/* MADD16(a, x, w) = a + x * w, fused (one rounding) where the CPU has FMA; the scalar tail columns round the same
+ * way (macros, not functions: a 64-byte vector argument has no stable ABI without AVX-512) */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define SKINNY_FUSED 1
+#define MADD16(a, x, w) ((v16)_mm512_fmadd_ps((__m512)(x), (__m512)(w), (__m512)(a)))
+#elif defined(__FMA__)
+#include <immintrin.h>
+#define SKINNY_FUSED 1
+typedef union {
+  v16 v;
+  __m256 h[2];
+} v16h;
+#define MADD16(a, x, w)                                                                                        \
+  ({                                                                                                           \
+    v16h A_ = {(a)}, X_ = {(x)}, W_ = {(w)}, O_;                                                               \
+    O_.h[0] = _mm256_fmadd_ps(X_.h[0], W_.h[0], A_.h[0]);                                                       \
+    O_.h[1] = _mm256_fmadd_ps(X_.h[1], W_.h[1], A_.h[1]);                                                       \
+    O_.v;                                                                                                      \
+  })
+#else
+#define SKINNY_FUSED 0
+#define MADD16(a, x, w) ((a) + (x) * (w))
+#endif
+#define MADD1(a, x, w) (SKINNY_FUSED ? fmaf((x), (w), (a)) : (a) + (x) * (w))
+
+/* 1 where jf_skinny_mm's multiply-adds are fused (one rounding each), 0 where a product and a sum round apart */
+int jf_skinny_fused(void) { return SKINNY_FUSED; }
 
 /* panels[N / PANEL][K][PANEL] (the columns of W^T, 32 at a time, each panel contiguous) from w[N, K]; the last
  * N % PANEL columns are not packed (jf_skinny_mm reads them from w) */
@@ -159,8 +191,8 @@ void jf_pack_panels(const float *w, float *panels, int64_t N, int64_t K) {
         const float xs = x[r * K + k];                                                                         \
         const v16 xv = {xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs};                       \
         for (int s = 0; s < S; s++) {                                                                          \
-          a[r][s][0] = a[r][s][0] + xv * w[s][0];                                                              \
-          a[r][s][1] = a[r][s][1] + xv * w[s][1];                                                              \
+          a[r][s][0] = MADD16(a[r][s][0], xv, w[s][0]);                                                        \
+          a[r][s][1] = MADD16(a[r][s][1], xv, w[s][1]);                                                        \
         }                                                                                                      \
       }                                                                                                        \
     }                                                                                                          \
@@ -171,19 +203,21 @@ void jf_pack_panels(const float *w, float *panels, int64_t N, int64_t K) {
       }                                                                                                        \
   }
 
-#define DEF_SKINNY(R, S) DEF_SKINNY_PF(R, S, skinny_##R##_##S, 0)
-/* a second half also fetches the next k chunk of its panels while it computes from cache */
-#define DEF_SECOND(R, S) DEF_SKINNY_PF(R, S, second_##R##_##S, KCHUNK)
+/* a pass from memory fetches each panel PF k values (2 KiB) ahead; a later group of rows reads what the first left
+ * in L1 */
+#define PF 16
+#define DEF_SKINNY(R, S) DEF_SKINNY_PF(R, S, skinny_##R##_##S, PF)
+#define DEF_SECOND(R, S) DEF_SKINNY_PF(R, S, second_##R##_##S, 0)
 typedef void (*skinny_fn)(const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t);
-#define MAX_ROWS 8 /* rows per pass over the weight */
-#define HALF 4     /* past HALF rows a pass runs in two halves over each k chunk, the second from cache */
-#define KCHUNK 128 /* k values per chunk: S panels x 128 x 32 floats (48 KiB at S = 3) stay in L1/L2 between halves */
+#define MAX_ROWS 16 /* rows per pass over the weight */
+#define HALF 4     /* past HALF rows a pass runs over each k chunk in groups of HALF rows, all but the first from cache */
+#define KCHUNK 32 /* k values per chunk: S panels x 32 x 32 floats (12 KiB at S = 3) stay in L1 between groups */
 #ifdef __AVX512F__ /* 32 vector registers of 16 floats: up to 28 of them hold sums */
 DEF_SKINNY(1, 4) DEF_SKINNY(2, 4) DEF_SKINNY(3, 4) DEF_SKINNY(4, 3) DEF_SECOND(1, 3) DEF_SECOND(2, 3)
 DEF_SECOND(3, 3) DEF_SECOND(4, 3) DEF_SKINNY(1, 1) DEF_SKINNY(2, 1) DEF_SKINNY(3, 1) DEF_SKINNY(4, 1)
 static const skinny_fn WIDE[HALF + 1] = {0, skinny_1_4, skinny_2_4, skinny_3_4, skinny_4_3};
 static const int STREAMS[HALF + 1] = {0, 4, 4, 4, 3};
-/* the second half of a pass: the first half's streams */
+/* a later group of rows: the first group's streams */
 static const skinny_fn SECOND[HALF + 1] = {0, second_1_3, second_2_3, second_3_3, second_4_3};
 #else /* 16 registers of 8 floats (a v16 is two) */
 DEF_SKINNY(1, 2) DEF_SKINNY(1, 1) DEF_SKINNY(2, 1) DEF_SKINNY(3, 1) DEF_SKINNY(4, 1) DEF_SECOND(1, 1)
@@ -195,9 +229,9 @@ static const skinny_fn SECOND[HALF + 1] = {0, second_1_1, second_2_1, second_3_1
 static const skinny_fn ONE[HALF + 1] = {0, skinny_1_1, skinny_2_1, skinny_3_1, skinny_4_1};
 
 /* y[R, N] = x[R, K] @ w[N, K]^T: MAX_ROWS rows at a time. Up to HALF rows: the packed columns from panels, S at a
- * time, then one at a time. More: each group of S panels (of the first half's S) k chunk by k chunk, the first
- * HALF rows then the rest, so the weight comes from memory once and the second half reads it from cache. The last
- * N % PANEL columns from w, one element at a time (the same sum, in the same order) */
+ * time, then one at a time. More: each group of S panels (of the first group's S) k chunk by k chunk, the rows HALF
+ * at a time, so the weight comes from memory once and the later groups read it from cache. The last N % PANEL
+ * columns from w, one element at a time (the same sum, in the same order) */
 void jf_skinny_mm(const float *x, const float *panels, const float *w, float *y, int64_t R, int64_t N, int64_t K) {
   const int64_t np = N / PANEL;
   for (int64_t r0 = 0; r0 < R; r0 += MAX_ROWS) {
@@ -215,17 +249,21 @@ void jf_skinny_mm(const float *x, const float *panels, const float *w, float *y,
         for (int64_t k0 = 0; k0 < K; k0 += KCHUNK) {
           const int64_t k1 = k0 + KCHUNK < K ? k0 + KCHUNK : K;
           WIDE[first](xr, panels, yr, N, K, p, k0, k1);
-          SECOND[rest](xr + first * K, panels, yr + first * N, N, K, p, k0, k1);
+          for (int64_t g = HALF; g < rows; g += HALF) {
+            const int64_t m = rows - g < HALF ? rows - g : HALF;
+            SECOND[m](xr + g * K, panels, yr + g * N, N, K, p, k0, k1);
+          }
         }
-      for (; p < np; p++) {
-        ONE[first](xr, panels, yr, N, K, p, 0, K);
-        ONE[rest](xr + first * K, panels, yr + first * N, N, K, p, 0, K);
-      }
+      for (; p < np; p++)
+        for (int64_t g = 0; g < rows; g += HALF) {
+          const int64_t m = rows - g < HALF ? rows - g : HALF;
+          ONE[m](xr + g * K, panels, yr + g * N, N, K, p, 0, K);
+        }
     }
     for (int64_t n = np * PANEL; n < N; n++)
       for (int64_t r = 0; r < rows; r++) {
         float acc = 0.f;
-        for (int64_t k = 0; k < K; k++) acc = acc + xr[r * K + k] * w[n * K + k];
+        for (int64_t k = 0; k < K; k++) acc = MADD1(acc, xr[r * K + k], w[n * K + k]);
         yr[r * N + n] = acc;
       }
   }
