@@ -252,6 +252,12 @@ def test_product_kernels_are_measured_kept_with_the_table_and_applied(models, mo
          4: {"transposed": 1.0, "linear": 0.99, "packed": 0.6}, 8: {"transposed": 1.0, "linear": 1.0, "packed": 0.995}}
     default = {1: "transposed", 2: "packed", 4: "packed", 8: "packed"}
     assert choose(t, default) == ((1, "linear"), (2, "packed"))  # faster where it saves; merged runs
+    # one row takes the two-row kernel (one copy of the weight for AR and draft steps) where it is within 5 %
+    near = {1: {"transposed": 1.0, "skinny": 1.04}, 2: {"transposed": 1.2, "skinny": 1.0}}
+    two = {1: "transposed", 2: "transposed"}
+    assert choose(near, two) == ((1, "skinny"),)
+    assert choose({**near, 1: {"transposed": 1.0, "skinny": 1.06}}, two) == ((1, "transposed"), (2, "skinny"))
+    assert choose(near, two, one_copy=0.0) == ((1, "transposed"), (2, "skinny"))
     assert choose(t, {1: "transposed", 2: "transposed", 4: "transposed", 8: "transposed"}) == (
         (1, "linear"), (2, "packed"), (8, "transposed"))  # 8 rows: within the noise of the default, which stays
     with pytest.raises(ValueError, match="not timed"):

@@ -67,14 +67,21 @@ PRODUCT_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 #: was measured faster by more than this share (noise on a shared machine must not move a product off the path that
 #: was measured best on other CPUs).
 PACKING_MIN_SAVING = 0.02
+#: A one-row product takes the two-row product's kernel unless its own was measured faster by more than this share:
+#: decoding alternates one-row (AR) and few-row (draft) forwards, and one copy of a weight read by both leaves the
+#: caches to the other weights (SmolLM2-135M, Intel Xeon: the 3,072 x 576 and 49,152 x 576 products measured
+#: ``transposed`` at one row, ``skinny`` at 2-8; ``skinny`` at one row too: default decoder 35.8-35.9 -> 36.6-36.7
+#: tok/s, AR 23.3 -> 23.4-23.9, same run).
+ONE_COPY_MARGIN = 0.05
 #: Bump when the measurement or the forward it times changes (old cache files are then ignored). 6: bf16 one-row
 #: products through oneDNN's packed weights (lean forward); 7: large fp32 one-row products too; 8: every bf16 product;
 #: 9: the fp32 packing choices measured; 10: the fp32 kernel measured per weight shape and rows
 #: (``about["products"]``); 11: the lean forward's C glue and its ``skinny`` product kernel; 12: the KV cache's
 #: additive masks made once per forward, the final norm in the glue; 13: ``skinny`` timed up to the rows of one pass
 #: (8), taking 5-8 rows in one pass. (The C glue's build is part of the key too.) 14: passes repeated for
-#: :data:`REFINE_S`. 15: ``skinny`` up to 16 rows a pass, fused multiply-adds.
-VERSION = 15
+#: :data:`REFINE_S`. 15: ``skinny`` up to 16 rows a pass, fused multiply-adds. 16: one row shares the two-row
+#: kernel within :data:`ONE_COPY_MARGIN`.
+VERSION = 16
 
 
 def _device_name(device: torch.device) -> str:
@@ -192,7 +199,8 @@ def _forward_seconds(runner, rows: int, s: int, gen: torch.Generator, context: i
 
 
 def choose_kernels(timings: dict[int, dict[str, float]], default: dict[int, str],
-                   min_saving: float = PACKING_MIN_SAVING) -> tuple[tuple[int, str], ...]:
+                   min_saving: float = PACKING_MIN_SAVING,
+                   one_copy: float = ONE_COPY_MARGIN) -> tuple[tuple[int, str], ...]:
     """One weight shape's kernel by product rows, from the measured seconds.
 
     Args:
@@ -200,6 +208,8 @@ def choose_kernels(timings: dict[int, dict[str, float]], default: dict[int, str]
         default: ``{rows: kernel}``, the kernel :meth:`LeanForward.default_kernel` picks at each row count (kept
             unless another was faster by more than ``min_saving``).
         min_saving: the share of the default's time another kernel must save.
+        one_copy: one row takes the kernel picked at two rows where that was timed within this share of its own
+            pick (:data:`ONE_COPY_MARGIN`).
 
     Returns:
         ``((from_rows, kernel), ...)`` ascending, consecutive row counts with one kernel merged.
@@ -209,13 +219,19 @@ def choose_kernels(timings: dict[int, dict[str, float]], default: dict[int, str]
     """
     if not timings:
         raise ValueError("choose_kernels needs timings at one row count at least")
-    out: list[tuple[int, str]] = []
+    picks = {}
     for rows in sorted(timings):
         t, d = timings[rows], default[rows]
         if d not in t:
             raise ValueError(f"the default kernel {d!r} was not timed at {rows} rows (timed: {sorted(t)})")
         best = min(t, key=t.get)
-        pick = best if t[best] < (1.0 - min_saving) * t[d] else d
+        picks[rows] = best if t[best] < (1.0 - min_saving) * t[d] else d
+    if 1 in picks and 2 in picks:  # one copy of the weight for the AR and the draft forwards
+        two, t1 = picks[2], timings[1]
+        if two in t1 and t1[two] <= (1.0 + one_copy) * t1[picks[1]]:
+            picks[1] = two
+    out: list[tuple[int, str]] = []
+    for rows, pick in picks.items():
         if not out or out[-1][1] != pick:
             out.append((rows, pick))
     return tuple(out)
