@@ -181,6 +181,21 @@ def test_fast_forwards_are_timed_more_often(models, monkeypatch):
     # warm-ups (2) + the first 1-token time + a pass per point (the 1-token reference beside each other point)
     assert counts[0.0] == 3 + 3 * (1 + 3 * 2)
     assert counts[0.3] > counts[0.0]
+    # the 1-token point is the fastest of as many timings as every other point (once a pass), not of all the
+    # reference timings beside the other points: with 1-token timings that only get faster, the last (beside the
+    # last point) is not its time
+    ones = []
+
+    def fake(runner, rows, s, gen, context):
+        if s == 1:
+            ones.append(1.0 - 0.01 * len(ones))
+            return ones[-1]
+        return 2.0
+
+    monkeypatch.setattr(cost_model, "_forward_seconds", fake)
+    monkeypatch.setattr(cost_model, "REFINE_S", 0.0)
+    times = cost_model.measure_rows(runner, 1, 4, reps=3)
+    assert times[1] == ones[-4] > min(ones)  # the last pass's own, before the references beside its 3 other points
 
 
 def test_forward_cost_measured_once_and_cached(models, monkeypatch, tmp_path):
