@@ -327,6 +327,32 @@ def test_mr_ranks_context_ngrams_with_recycled_ones_and_lets_the_best_lead():
     assert off.ranked(st3, ctx) == [([99, 98], "pool")]
 
 
+def test_mr_keeps_the_jacobi_drafts_statistics_apart_where_the_text_copies():
+    """Where an earlier occurrence matches the last COPY_MATCH (3) committed tokens, the Jacobi draft's segments are
+    ``draft@context`` (it leads or stands as a candidate next to the copy), elsewhere ``draft``: the credit it earns
+    agreeing with a copy does not price it where nothing is copied."""
+    from megatron_jf.decoding.mr import COPY_MATCH
+
+    assert COPY_MATCH == 3
+    pol = policy_for(DecodeConfig("mr", block_size=4, num_blocks=2, spawn_threshold=0.5, verification_size=4,
+                                  draft_init="repeat", prompt_lookup_max=4))
+    prompt = [11, 12, 41, 60, 61, 62, 63, 64, 70, 12, 41, 80, 81]
+    jac = [50, 51, 90, 91, 92, 93]
+    for tail, copying in (([8, 12, 41], False), ([8, 11, 12, 41], True), ([8, 99], False)):
+        st = pol.new_state(prompt, 0)
+        ctx = prompt + tail  # "12 41" recurs (match 2); "11 12 41" recurs (match 3); 99 never occurred
+        st.draft = list(jac)
+        st.blocks = [len(tail) + 1, len(tail) + 5]  # one unknown RA position, then a pseudo-active block
+        p = pol.propose(st, ctx)
+        own = "draft@context" if copying else "draft"
+        assert st.copying == copying
+        sources = {src for segs in [st.segments] + st.cand_segments for src, _ in segs}
+        assert own in sources and ({"draft", "draft@context"} - {own}).isdisjoint(sources), (tail, sources)
+        if tail == [8, 99]:  # no context n-gram: the Jacobi draft leads, priced by the 'draft' statistics alone
+            st.stats.record("draft@context", 4, 4)
+            assert p.draft == jac and pol.draft_probs(st) == st.stats.probs("draft", 6) == [0.15] * 6
+
+
 def test_context_ngrams_pay_off_on_text_that_repeats_itself():
     """On a 'model' that copies earlier text, MR with context n-grams needs far fewer forwards than without, with the
     same output (the model-free loop above)."""

@@ -26,7 +26,12 @@ are ranked together by how many committed tokens their context matches (context 
 Which candidate leads the draft. With ``draft_width="auto"`` the best-ranked candidate replaces the head of the
 draft when the request's statistics (:class:`~megatron_jf.decoding.width.AcceptanceStats`) expect more accepted
 tokens from it than from the Jacobi draft -- a context n-gram may run past the RA block, up to ``K*n`` tokens --
-and the displaced Jacobi guesses become a candidate; the engine then cuts the draft to the width that pays. Engines
+and the displaced Jacobi guesses become a candidate; the engine then cuts the draft to the width that pays. The
+Jacobi draft's statistics are kept apart where the text copies its context (an earlier occurrence matches the last
+:data:`COPY_MATCH` or more committed tokens): there the draft, made from predictions on copied text, often agrees
+with the copy and is credited as a candidate next to it, which said nothing of the draft where nothing is copied
+(SmolLM2-135M on HumanEval chat prompts: Jacobi-led drafting steps of widths 2-7 accepted 0.04-0.11 tokens
+against 0.13-0.97 expected). Engines
 without tree verification (one linear draft per step, e.g. vLLM) use ``MRPolicy(cfg, linear=True)``: no other
 candidates, and with ``draft_width="fixed"`` the best candidate, when there is one, always leads. Whatever is drafted
 is verified, so every choice is lossless.
@@ -41,6 +46,11 @@ from megatron_jf.decoding.base import DraftState, Outcome, Policy, Proposal, acc
 from megatron_jf.decoding.ngram_pool import ContextNGrams, NGramPool
 from megatron_jf.decoding.width import context_source, expected_accepted
 
+#: The longest context match (committed tokens ending at an earlier occurrence of the newest one that equal those
+#: ending at it) from which MR counts a step as copying the context: the Jacobi draft's statistics are then kept as
+#: ``draft@context`` (module docstring).
+COPY_MATCH = 3
+
 
 @dataclass(eq=False)
 class MRState(DraftState):
@@ -53,6 +63,8 @@ class MRState(DraftState):
         candidates: the candidates of the last :meth:`MRPolicy.propose` (the engine's ``winner`` indexes them).
         context: the request's context n-gram index (None with prompt lookup off).
         cand_segments: per candidate, its sources ``[(source, length), ...]`` (as ``segments`` for the draft).
+        copying: the last :meth:`MRPolicy.ranked` found a context match of :data:`COPY_MATCH` or more tokens (the
+            Jacobi draft's source is then ``draft@context``, else ``draft``).
     """
 
     blocks: list[int] = None
@@ -60,6 +72,7 @@ class MRState(DraftState):
     candidates: list[list[int]] = None
     context: ContextNGrams | None = None
     cand_segments: list = None
+    copying: bool = False
 
 
 class MRPolicy(Policy):
@@ -100,6 +113,7 @@ class MRPolicy(Policy):
         each source keeping its own order), the ones equal to the draft's RA part left out."""
         v = self.cfg.verification_size
         draft = state.draft
+        state.copying = False
         if v <= 1 or not draft:
             return []
         ra_len = self._ra_len(state, context)
@@ -110,6 +124,7 @@ class MRPolicy(Policy):
         if state.context is not None:
             found += [(c, m, context_source(m))
                       for c, m in state.context.candidates(context, v - 1, self.max_main, exclude=exclude)]
+            state.copying = state.context.longest >= COPY_MATCH
         prev = context[-2] if len(context) >= 2 else -1
         found += [(c, m, "pool") for c, m in state.pool.candidates(prev, context[-1], v - 1, exclude=exclude)]
         found.sort(key=lambda x: -x[1])  # stable
@@ -142,12 +157,13 @@ class MRPolicy(Policy):
         with ``linear``)."""
         ranked = self.ranked(state, context)
         jac = state.draft
-        state.segments = [("draft", len(jac))]
+        own = "draft@context" if state.copying else "draft"  # the Jacobi draft's statistics in this regime
+        state.segments = [(own, len(jac))]
         demoted = None
         if ranked and (self.linear or self.auto):
             c, src = ranked[0]
             c = c[: self.max_main]
-            segs = [(src, len(c))] + ([("draft", len(jac) - len(c))] if len(jac) > len(c) else [])
+            segs = [(src, len(c))] + ([(own, len(jac) - len(c))] if len(jac) > len(c) else [])
             if (self.linear and not self.auto) or self._expected(state, segs) > self._expected(state, state.segments):
                 demoted = jac[: self._ra_len(state, context)]
                 state.draft, state.segments = c + jac[len(c):], segs
@@ -155,12 +171,12 @@ class MRPolicy(Policy):
         cands, csegs = [], []
         if not self.linear:
             ra_len = self._ra_len(state, context)
-            pool = ranked + ([(demoted, "draft")] if demoted else [])
+            pool = ranked + ([(demoted, own)] if demoted else [])
             for c, src in pool[: self.cfg.verification_size - 1]:
                 b = self._branch(c, jac, ra_len)
                 k = min(len(c), ra_len)
                 cands.append(b)
-                csegs.append([(src, k)] + ([("draft", len(b) - k)] if len(b) > k else []))
+                csegs.append([(src, k)] + ([(own, len(b) - k)] if len(b) > k else []))
         state.candidates, state.cand_segments = cands, csegs
         return Proposal(state.draft, cands)
 

@@ -113,6 +113,9 @@ class ContextNGrams:
         self.min_match, self.max_match, self.max_scan = min_match, max_match, max_scan
         self._pos: dict[int, list[int]] = {}
         self._indexed = 0  # context positions indexed so far (all but the newest token)
+        #: the longest match of the last :meth:`candidates` call (0 where ``context[-1]`` has no earlier occurrence
+        #: matching ``min_match`` tokens), counted before duplicates and ``exclude`` are dropped
+        self.longest = 0
 
     def _index(self, context: list[int]) -> None:
         end = len(context) - 1  # the newest token has no continuation yet
@@ -136,8 +139,9 @@ class ContextNGrams:
         a pattern repeating with period ``p`` is continued with that period), ``match`` the number of tokens ending at
         that occurrence that equal the tokens ending at ``context[-1]`` (at most ``max_match``, at least
         ``min_match``). Best first: longer matches, then earlier occurrences. Duplicate continuations and one equal to
-        ``exclude`` (the draft) are dropped.
+        ``exclude`` (the draft) are dropped. Sets :attr:`longest`.
         """
+        self.longest = 0
         if k <= 0 or max_len <= 0 or not context:
             return []
         self._index(context)
@@ -153,6 +157,7 @@ class ContextNGrams:
             if m >= self.min_match:
                 scored.append((m, i))
         scored.sort(key=lambda x: -x[0])  # stable: earliest first among equal matches
+        self.longest = scored[0][0] if scored else 0
         out, seen = [], set()
         for m, i in scored:
             seq = context[i + 1: i + 1 + max_len]

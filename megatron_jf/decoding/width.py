@@ -37,10 +37,11 @@ __all__ = ["MARGIN", "PRIORS", "AcceptanceStats", "ForwardCost", "RowDraft", "St
 
 #: Prior acceptance rate of each draft source, worth :data:`PRIOR_WEIGHT` observations of its pooled rate: the
 #: decoder's own Jacobi draft (``draft``; an ordinary model accepts a few percent of it, a Jacobi Forcing model
-#: more), a recycled n-gram (``pool``) and a context n-gram whose preceding 1, 2 or >= 3 tokens match the committed
+#: more; ``draft@context`` where MR sees the text copying, :data:`megatron_jf.decoding.mr.COPY_MATCH`), a recycled
+#: n-gram (``pool``) and a context n-gram whose preceding 1, 2 or >= 3 tokens match the committed
 #: text (``context1..3``; prompt lookup on HumanEval chat prompts with SmolLM2-135M: 13 %, 43 % and 88 % at the first
 #: position). Only where a request has not drafted from a source yet do these matter.
-PRIORS = {"draft": 0.15, "pool": 0.2, "context1": 0.15, "context2": 0.45, "context3": 0.85}
+PRIORS = {"draft": 0.15, "draft@context": 0.15, "pool": 0.2, "context1": 0.15, "context2": 0.45, "context3": 0.85}
 PRIOR_WEIGHT = 2.0
 #: Weight of the pooled rate in each position's estimate (observations).
 POSITION_WEIGHT = 1.0
