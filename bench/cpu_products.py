@@ -11,7 +11,7 @@ turn by ``r`` random rows, through the kernels of :data:`~megatron_jf.inference.
 need no oneDNN: ``skinny`` (this project's C kernel, :meth:`~megatron_jf.inference.cpu_glue.Glue.skinny_mm`, where
 the C glue builds; up to :data:`~megatron_jf.inference.lean_forward.SKINNY_MAX_ROWS` rows a pass), ``linear``
 (``F.linear``, MKL) and ``transposed`` (``x @ W_t`` on an ``[in, out]`` copy, MKL).
-Prints microseconds per product (the median of ``--reps`` passes, kernels interleaved) and each kernel's time over
+Prints microseconds per product (the median of ``--repeats`` passes, kernels interleaved) and each kernel's time over
 its own one-row time, with the CPU's flags; asserts every kernel's result equals ``F.linear``'s up to rounding. One
 thread (``torch.set_num_threads(1)``), as the decode benches run. The choice the engine makes from such timings is
 :func:`megatron_jf.inference.cost_model.calibrate_products` (timed on the model's own weights).
@@ -19,25 +19,30 @@ thread (``torch.set_num_threads(1)``), as the decode benches run. The choice the
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
-
-import torch
-import torch.nn.functional as F
-
-from bench.common import cpu_flags
 
 SMOLLM2 = ("960x576", "576x576", "3072x576", "576x1536", "49152x576")
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser():
+    """The command line (torch-free)."""
+    from bench import common
+
+    p = common.parser(__doc__)
     p.add_argument("--shapes", default=",".join(SMOLLM2), help="weight shapes OUTxIN, comma-separated")
     p.add_argument("--rows", default="1,2,3,4,6,8,12,16", help="product rows, comma-separated")
     p.add_argument("--mb", type=float, default=600.0, help="megabytes of weight copies per shape (default 600)")
-    p.add_argument("--reps", type=int, default=3, help="passes per point (median)")
-    a = p.parse_args(argv)
+    common.REPEATS.add(p, default=3, help="passes per point, kernels interleaved (the median is printed)")
+    return p
+
+
+def main(argv=None) -> None:
+    a = build_parser().parse_args(argv)
+    import torch
+    import torch.nn.functional as F
+
+    from bench.common import cpu_flags
     from megatron_jf.inference import cpu_glue
 
     torch.set_num_threads(1)
@@ -64,7 +69,7 @@ def main(argv=None) -> None:
                 for name, fns in kernels.items():
                     torch.testing.assert_close(fns[0](x), ref, rtol=1e-4, atol=k * 1e-5)
                 t = {name: [] for name in kernels}
-                for _ in range(a.reps):
+                for _ in range(a.repeats):
                     for name, fns in kernels.items():
                         t0 = time.perf_counter()
                         for f in fns:

@@ -375,7 +375,8 @@ def measure_rows(runner, rows: int, max_tokens: int, *, context: int = CONTEXT, 
 
         # the one-token forward is the reference: timed next to every point, but kept once a pass like every
         # other point -- the fastest of a dozen times more timings priced it below the others by the luck of the
-        # draw (the quickstart JF model's tables had 2 tokens at 1.09-1.27x one token; its decode loop, 1.07x)
+        # draw (the quickstart JF model's tables had 2 tokens at 1.00-1.38x one token in eight processes, its
+        # decode loop 1.07x; kept once a pass, 1.00-1.04x in five)
         def point(s: int) -> None:
             t1 = once(1)
             if s == 1:
