@@ -48,7 +48,9 @@ from megatron_jf.decoding.width import context_source, expected_accepted
 
 #: The longest context match (committed tokens ending at an earlier occurrence of the newest one that equal those
 #: ending at it) from which MR counts a step as copying the context: the Jacobi draft's statistics are then kept as
-#: ``draft@context`` (module docstring).
+#: ``draft@context`` (module docstring). Not from the paper (its MR drafts fixed widths and keeps no statistics): it
+#: steers only the auto width and which candidate leads, never what is accepted. 2 instead: SmolLM2 +1 %, the
+#: quickstart JF model -2 to -5 % (``docs/results.md``).
 COPY_MATCH = 3
 
 
