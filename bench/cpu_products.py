@@ -19,20 +19,45 @@ thread (``torch.set_num_threads(1)``), as the decode benches run. The choice the
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
 SMOLLM2 = ("960x576", "576x576", "3072x576", "576x1536", "49152x576")
 
 
+def _shapes(text: str) -> list[tuple[int, int]]:
+    """``"960x576,3072x576"`` -> ``[(960, 576), (3072, 576)]``; argparse's error naming the bad entry otherwise."""
+    out = []
+    for item in text.split(","):
+        parts = item.strip().lower().split("x")
+        if len(parts) != 2 or not all(x.isdigit() and int(x) > 0 for x in parts):
+            raise argparse.ArgumentTypeError(f"a weight shape is OUTxIN with positive integers, got {item!r}")
+        out.append((int(parts[0]), int(parts[1])))
+    return out
+
+
+def _rows(text: str) -> list[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]`` (positive integers); argparse's error naming the bad entry otherwise."""
+    out = []
+    for item in text.split(","):
+        if not item.strip().isdigit() or int(item) < 1:
+            raise argparse.ArgumentTypeError(f"rows are positive integers, got {item!r}")
+        out.append(int(item))
+    return out
+
+
 def build_parser():
     """The command line (torch-free)."""
+    from megatron_jf import cli
+
     from bench import common
 
     p = common.parser(__doc__)
-    p.add_argument("--shapes", default=",".join(SMOLLM2), help="weight shapes OUTxIN, comma-separated")
-    p.add_argument("--rows", default="1,2,3,4,6,8,12,16", help="product rows, comma-separated")
-    p.add_argument("--mb", type=float, default=600.0, help="megabytes of weight copies per shape (default 600)")
+    p.add_argument("--shapes", type=_shapes, default=_shapes(",".join(SMOLLM2)),
+                   help="weight shapes OUTxIN, comma-separated (default: SmolLM2-135M's)")
+    p.add_argument("--rows", type=_rows, default=_rows("1,2,3,4,6,8,12,16"), help="product rows, comma-separated")
+    p.add_argument("--mb", type=cli.positive_int, default=600, help="megabytes of weight copies per shape")
     common.REPEATS.add(p, default=3, help="passes per point, kernels interleaved (the median is printed)")
     return p
 
@@ -47,13 +72,13 @@ def main(argv=None) -> None:
 
     torch.set_num_threads(1)
     glue = cpu_glue.load()
-    rows = [int(r) for r in a.rows.split(",")]
+    rows = a.rows
     print(f"CPU: {cpu_flags()}; torch {torch.__version__}, 1 thread; skinny: "
           + ("none (no C glue here)" if glue is None else f"{glue.path} (fused multiply-adds: {glue.fused})"))
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for shape in a.shapes.split(","):
-            n, k = (int(x) for x in shape.lower().split("x"))
+        for n, k in a.shapes:
+            shape = f"{n}x{k}"
             copies = max(1, int(a.mb * 1e6 / (n * k * 4)))
             ws = [torch.randn(n, k, generator=gen) for _ in range(copies)]
             kernels = {"linear": [(lambda x, w=w: F.linear(x, w)) for w in ws]}
