@@ -26,7 +26,8 @@ Megatron-LM reads the model weights of our checkpoints (``--finetune`` / ``--no-
 Saves. A save writes ``iter_XXXXXXX.tmp`` and renames it into place, then rewrites the ``latest`` file
 through a temporary name, so a crash mid-save leaves the previous checkpoint loadable; the next save (or
 :func:`remove_stale_tmp` at start-up) deletes such ``.tmp`` leftovers and never a complete checkpoint. A
-save starts no helper process that could outlive a killed run (see :func:`_sync_results_queue`).
+save starts no helper process that could outlive a killed run (see :func:`_sync_results_queue` and
+:func:`_writers_die_with_run`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ import os
 import queue
 import re
 import shutil
+import signal
+import sys
 import warnings
 
 import torch
@@ -451,6 +454,51 @@ def _sync_results_queue():
         fa._results_queue = prev
 
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_fork_guard = {"armed": 0, "registered": False, "parent": 0}
+
+
+def _note_forking_pid():
+    _fork_guard["parent"] = os.getpid()
+
+
+def _die_with_forking_process():
+    """In a child forked while a save is armed: have Linux SIGKILL it when the saving process dies."""
+    if not _fork_guard["armed"]:
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != _fork_guard["parent"]:  # the saving process died before prctl took effect
+        os._exit(1)
+
+
+@contextlib.contextmanager
+def _writers_die_with_run():
+    """Children forked during the block are killed by the kernel when the process that forked them dies.
+
+    megatron-core's ``FileSystemWriterAsync.write_preloaded_data_multiproc`` forks one writer per bucket and
+    waits for them in ``JoinableQueue.join()``. If the run is killed (``kill -9``, OOM killer) while it waits,
+    the last writer to finish hangs for ever in ``task_done()``: ``Condition.notify_all`` waits for the dead
+    waiter to wake. With ``PR_SET_PDEATHSIG`` = ``SIGKILL`` (Linux) each writer dies with the run instead; its
+    half-written ``iter_*.tmp`` is removed at the next start-up or save. Elsewhere (not Linux) this is a no-op.
+    """
+    if not sys.platform.startswith("linux"):
+        yield
+        return
+    if not _fork_guard["registered"]:
+        os.register_at_fork(before=_note_forking_pid, after_in_child=_die_with_forking_process)
+        _fork_guard["registered"] = True
+    _fork_guard["armed"] += 1
+    try:
+        yield
+    finally:
+        _fork_guard["armed"] -= 1
+
+
 def save_checkpoint(ckpt_dir: str, iteration: int, model, *, sharded_extra: dict | None = None,
                     common: dict | None = None, tokenizer_dir: str | None = None, keep_last: int | None = None) -> str:
     """Save ``model`` (and optional sharded optimizer state) as iteration ``iteration`` of ``ckpt_dir``.
@@ -498,7 +546,7 @@ def save_checkpoint(ckpt_dir: str, iteration: int, model, *, sharded_extra: dict
         "checkpoint_version": CHECKPOINT_VERSION,
     }
     state.update(sharded_extra or {})
-    with _sync_results_queue():
+    with _sync_results_queue(), _writers_die_with_run():
         dist_checkpointing.save(state, tmp)
     parallel.barrier()
     if parallel.is_rank0():
