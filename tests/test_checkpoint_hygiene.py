@@ -89,6 +89,7 @@ WAITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 @pytest.mark.parametrize("mode", ["guarded", "unguarded"])
 def test_writer_forked_during_a_save_dies_with_the_run(tmp_path, mode):
     """The mechanism alone, deterministic: kill -9 the process while it waits in ``JoinableQueue.join()`` for a
