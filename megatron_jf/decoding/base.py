@@ -88,6 +88,7 @@ class DraftState:
             (:class:`~megatron_jf.decoding.width.AcceptanceStats`).
         segments: where the last proposal's draft came from, ``[(source, length), ...]`` back to back (the
             decoder's own draft is ``draft``).
+        probs: the last proposal's :meth:`Policy.draft_probs` where the proposal already computed them, else None.
     """
 
     prompt_len: int
@@ -95,6 +96,7 @@ class DraftState:
     rng: random.Random
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     segments: list = field(default_factory=list)
+    probs: list | None = None
 
 
 class Policy:
@@ -150,13 +152,13 @@ class Policy:
 
     def propose(self, state: DraftState, context: list[int]) -> Proposal:
         """This step's proposal: the current draft (no candidates)."""
-        state.segments = [("draft", len(state.draft))]
+        state.segments, state.probs = [("draft", len(state.draft))], None
         return Proposal(state.draft)
 
     def draft_probs(self, state: DraftState) -> list[float]:
         """Estimated conditional acceptance of each position of the last proposal's draft (from the request's
         statistics by source and position; :meth:`AcceptanceStats.chain_probs`): what the width choice weighs."""
-        return state.stats.chain_probs(state.segments)
+        return state.probs if state.probs is not None else state.stats.chain_probs(state.segments)
 
     def observe(self, state: DraftState, context: list[int], outcome: Outcome) -> None:
         """Update ``state`` after a step that did not end the request: record how much of the verified draft was

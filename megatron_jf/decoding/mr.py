@@ -150,9 +150,6 @@ class MRPolicy(Policy):
         c = c[:ra_len]
         return c + draft[len(c):ra_len]
 
-    def _expected(self, state: MRState, segments) -> float:
-        return expected_accepted(state.stats.chain_probs(segments))[-1]
-
     def propose(self, state: MRState, context: list[int]) -> Proposal:
         """The blocks' drafts as one main chain, led by the best candidate where that is expected to accept more
         (``auto``; ``linear`` with ``fixed``: whenever there is one), and the other candidates for the RA block (none
@@ -161,12 +158,18 @@ class MRPolicy(Policy):
         jac = state.draft
         own = "draft@context" if state.copying else "draft"  # the Jacobi draft's statistics in this regime
         state.segments = [(own, len(jac))]
+        state.probs = None
         demoted = None
         if ranked and (self.linear or self.auto):
             c, src = ranked[0]
             c = c[: self.max_main]
             segs = [(src, len(c))] + ([(own, len(jac) - len(c))] if len(jac) > len(c) else [])
-            if (self.linear and not self.auto) or self._expected(state, segs) > self._expected(state, state.segments):
+            lead = self.linear and not self.auto
+            if not lead:  # (the chosen draft's estimates are kept for draft_probs)
+                chain, own_chain = state.stats.chain_probs(segs), state.stats.chain_probs(state.segments)
+                lead = expected_accepted(chain)[-1] > expected_accepted(own_chain)[-1]
+                state.probs = chain if lead else own_chain
+            if lead:
                 demoted = jac[: self._ra_len(state, context)]
                 state.draft, state.segments = c + jac[len(c):], segs
                 ranked = ranked[1:]

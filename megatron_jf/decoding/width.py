@@ -190,6 +190,7 @@ class ForwardCost:
             self._rows.append(b)
             self._curves[b] = (ss, ts)
         self.about = dict(about or {})
+        self._memo: dict[tuple[int, int], float] = {}
 
     @property
     def rows(self) -> list[int]:
@@ -224,6 +225,14 @@ class ForwardCost:
 
     def seconds(self, rows: int, tokens: int) -> float:
         """Estimated seconds of one forward of ``rows`` x ``tokens`` (both >= 1)."""
+        hit = self._memo.get((rows, tokens))  # (the width choice asks for the same few points every step)
+        if hit is None:
+            if len(self._memo) >= 4096:
+                self._memo.clear()
+            hit = self._memo[rows, tokens] = self._seconds(rows, tokens)
+        return hit
+
+    def _seconds(self, rows: int, tokens: int) -> float:
         rs = self._rows
         if rows <= rs[0]:
             return self._row_seconds(rs[0], tokens)
@@ -327,13 +336,17 @@ def choose_widths(cost: ForwardCost, rows: Sequence[RowDraft], overhead_s: float
     for _, e in auto:
         most_tokens += 1 + e[-1]
     best_w, best, ar_seconds = 0, None, None
+    seconds_of = cost.seconds
+    shapes = [(e, len(r.probs), tuple(r.branches)) for r, e in auto]  # (runs every step: kept to plain int ops)
     for W in width_grid(ceiling):
         s, tokens = floor, fixed_tokens
-        for r, e in auto:
-            w = min(W, len(r.probs))
+        for e, n, branches in shapes:
+            w = W if W < n else n
             tokens += 1 + e[w]
-            s = max(s, 1 + w + sum(min(W, x) for x in r.branches))
-        seconds = cost.seconds(b, s) * (draft_penalty if W else 1.0) + overhead_s
+            x = 1 + w + sum(W if W < y else y for y in branches) if branches else 1 + w
+            if x > s:
+                s = x
+        seconds = seconds_of(b, s) * (draft_penalty if W else 1.0) + overhead_s
         rate = tokens / seconds
         if best is not None and most_tokens / seconds < best:
             break
@@ -397,6 +410,11 @@ class StepCalibration:
         """Row counts share a calibration within powers of two (1, 2-3, 4-7, ...): a batch shrinking as its rows
         finish keeps what it learnt."""
         return max(1, rows).bit_length()
+
+    def read_at(self, rows: int) -> bool:
+        """Whether steps of ``rows`` rows are ever read: their :meth:`bucket` is that of a row count of
+        :attr:`min_rows` or more (below, :meth:`penalty` is 1 and the engine skips :meth:`record`)."""
+        return self.bucket(rows) >= self.bucket(self.min_rows)
 
     def record(self, rows: int, drafted: bool, predicted_s: float, observed_s: float, tokens: int | None = None) -> None:
         """One step of ``rows`` rows, which ``drafted`` (any row forwarded draft tokens) or not, whose forward the

@@ -101,6 +101,7 @@ class Engine:
         self.mr_verify = mr_verify_mode(self.options.mr_verify, device)  # checked now; a runner resolves it again
         gemv_mode(self.options.gemv)
         self._cost, self._cost_given = forward_cost, forward_cost is not None
+        self._cost_covers: dict[int, int] = {}  # torch threads -> most rows the table was last ensured for
         # whole steps against the measured table (a table given to the constructor is taken as it is: tests)
         self.step_calibration = None if self._cost_given else StepCalibration()
 
@@ -109,7 +110,10 @@ class Engine:
         constructor, else read from the cache or measured now for up to ``rows`` rows and ``max_tokens`` tokens per
         row (a few seconds on a CPU; :mod:`megatron_jf.inference.cost_model`), then kept."""
         if not self._cost_given:
-            self._cost = cost_model.ensure_cost(self.model, self._cost, rows, max_tokens, self.options)
+            threads = torch.get_num_threads()
+            if self._cost is None or rows > self._cost_covers.get(threads, 0):  # (asked every step: checked once)
+                self._cost = cost_model.ensure_cost(self.model, self._cost, rows, max_tokens, self.options)
+                self._cost_covers = {threads: rows}
         return self._cost
 
     # ------------------------------------------------------------------ public API

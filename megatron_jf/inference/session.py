@@ -179,10 +179,11 @@ class BatchSession:
         dt = time.perf_counter() - t1
         for r in rows:
             r.decode_s += dt
-        if cost is not None and self.engine.step_calibration is not None:  # the step against the table's forward
+        calib = self.engine.step_calibration
+        if cost is not None and calib is not None and calib.read_at(m):  # the step against the table's forward
             s = max(len(x) for x in seqs)  # (the slowest TP rank's time: every rank must choose the same widths)
-            self.engine.step_calibration.record(m, s > 1, cost.seconds(m, s), cost_model.agreed_seconds(dt),
-                                                tokens=sum(r.accepted[-1] for r in rows))
+            calib.record(m, s > 1, cost.seconds(m, s), cost_model.agreed_seconds(dt),
+                         tokens=sum(r.accepted[-1] for r in rows))
         if self.engine.check_invariants:
             for i, r in enumerate(rows):  # the cache holds prompt + emitted tokens, all but the newest one
                 want = len(r.prompt) + len(r.out) - 1
