@@ -121,6 +121,57 @@ def test_skinny_products_equal_the_sequential_sum_and_do_not_depend_on_the_rows(
         assert glue.fused == ("fma" in open("/proc/cpuinfo").read().split())
 
 
+def _attn_case(b, ng, qpg, hd, start, s, slots, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    kc, vc = torch.randn(b, ng, slots, hd, generator=g) * 2, torch.randn(b, ng, slots, hd, generator=g)
+    q = torch.randn(b, ng * qpg, s, hd, generator=g) * 2
+    return q, kc, vc
+
+
+def _attn(glue, q, kc, vc, start, qpg, scale):
+    b, nh, s, hd = q.shape
+    out = torch.full((b, s, nh * hd), float("nan"))
+    glue.decode_attn(q.contiguous(), kc, vc, out, torch.empty(start + s), start, qpg, scale)
+    return out
+
+
+@needs_cc
+@pytest.mark.parametrize("shape", [(1, 2, 4, 32, 150, 1), (1, 2, 4, 32, 150, 8), (2, 3, 3, 64, 37, 5),
+                                   (1, 1, 1, 16, 0, 20), (3, 2, 1, 48, 15, 1), (1, 4, 2, 128, 64, 17),
+                                   (1, 1, 2, 256, 3, 3)])
+def test_decode_attention_equals_sdpa_over_the_cache(glue, shape):
+    """jf_decode_attn: s new tokens (their keys/values at slots start..start+s-1) over each row's cache, causal among
+    the new tokens, GQA (query head h on key/value head h // qpg), output [b, s, heads * hd] -- SDPA's values up to
+    rounding, for head dims 16-256 (one to sixteen 16-lane chunks), key counts below and past 16 (the butterfly's
+    blocks and the one-at-a-time tail), an empty cache (a prefill) and several rows."""
+    b, ng, qpg, hd, start, s = shape
+    q, kc, vc = _attn_case(b, ng, qpg, hd, start, s, slots=start + s + 5, seed=sum(shape))
+    scale = hd ** -0.5
+    got = _attn(glue, q, kc, vc, start, qpg, scale)
+    allow = torch.ones(s, start + s, dtype=torch.bool).tril_(start)
+    want = F.scaled_dot_product_attention(q.double(), kc[:, :, :start + s].double(), vc[:, :, :start + s].double(),
+                                          attn_mask=allow, scale=scale, enable_gqa=qpg > 1)
+    want = want.transpose(1, 2).reshape(b, s, -1).float()
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
+    # the slots past each token's own are not read: garbage there changes nothing
+    kc2, vc2 = kc.clone(), vc.clone()
+    kc2[:, :, start + s:], vc2[:, :, start + s:] = float("nan"), float("nan")
+    assert torch.equal(_attn(glue, q, kc2, vc2, start, qpg, scale), got)
+
+
+@needs_cc
+@pytest.mark.parametrize("hd", [32, 64, 48])
+def test_a_tokens_attention_does_not_depend_on_the_tokens_beside_it(glue, hd):
+    """Token t of an s-token step gives the bits it gives as a one-token step at start + t (an AR step after the
+    draft's first t tokens were accepted): a draft's rows are the AR step's rows."""
+    b, ng, qpg, start, s = 2, 2, 4, 141, 9
+    q, kc, vc = _attn_case(b, ng, qpg, hd, start, s, slots=start + s)
+    together = _attn(glue, q, kc, vc, start, qpg, 0.17)
+    for t in range(s):
+        alone = _attn(glue, q[:, :, t:t + 1], kc, vc, start + t, qpg, 0.17)
+        assert torch.equal(alone[:, 0], together[:, t]), f"token {t}"
+
+
 def _tiny(family="llama", tied=True, seed=2):
     from megatron_jf.models.convert import hf_to_mcore
     from megatron_jf.models.gpt import build_model

@@ -89,6 +89,64 @@ def test_lean_equals_megatron_with_kv_cache_tree_mask_and_ragged_rows(pairs, nam
     torch.testing.assert_close(outs["lean"][2][0, 0], ref, rtol=1e-4, atol=1e-4)
 
 
+def test_decode_steps_attend_in_the_c_glue_and_equal_megatron(pairs, monkeypatch):
+    """Causal steps over rows of one committed length (a prefill of up to DECODE_ATTN_MAX_TOKENS tokens, ``[last] +
+    draft``, a one-token step) attend in the C glue, writing the keys and values into the cache; a tree mask, ragged
+    rows, wider steps and -- with several torch threads -- a batch's many queries take SDPA. Every step equals
+    megatron-core's forward over the same cache contents."""
+    import shutil
+
+    from megatron_jf.inference import cpu_glue, lean_forward
+    from megatron_jf.inference.forward import forward_logits
+    from megatron_jf.models.gpt import new_kv_cache
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    hf, m = pairs["qwen2"]
+    lf = lean_forward.lean_forward_for(m)
+    calls = []
+    real = cpu_glue.Glue.decode_attn
+    monkeypatch.setattr(cpu_glue.Glue, "decode_attn", lambda self, q, *a: (calls.append(q.shape[2]), real(self, q, *a))[1])
+    gen = torch.Generator().manual_seed(5)
+    caches = {impl: new_kv_cache(m, 2, 64) for impl in ("lean", "megatron")}
+
+    def step(toks, pos, **kw):
+        calls.clear()
+        out = {impl: forward_logits(m, toks, pos, kv_cache=caches[impl], impl=impl, **kw) for impl in caches}
+        torch.testing.assert_close(out["lean"], out["megatron"], rtol=1e-5, atol=1e-5)
+        return list(calls)
+
+    def commit(keep):
+        for c in caches.values():
+            c.commit(keep)
+
+    layers = len(lf.layers)
+    assert step(torch.randint(0, 256, (2, 9), generator=gen), torch.arange(9).expand(2, 9)) == [9] * layers  # prefill
+    commit([9, 9])
+    assert step(torch.randint(0, 256, (2, 4), generator=gen), torch.arange(9, 13).expand(2, 4)) == [4] * layers
+    commit([2, 2])
+    assert step(torch.randint(0, 256, (2, 1), generator=gen), torch.tensor([[11], [11]])) == [1] * layers
+    commit([1, 1])
+    tree = torch.ones(2, 5, 5, dtype=torch.bool).tril_()
+    tree[:, 3:, 1:3] = False
+    assert step(torch.randint(0, 256, (2, 5), generator=gen), torch.tensor([[12, 13, 14, 13, 14]] * 2),
+                new_mask=tree) == []  # a tree: SDPA with its mask
+    commit([2, 1])
+    assert step(torch.randint(0, 256, (2, 3), generator=gen), torch.tensor([[14, 15, 16], [13, 14, 15]])) == []
+    commit([1, 1])  # ragged rows above; equal again below
+    for c in caches.values():
+        c.trim([14, 14])
+    wide = lean_forward.DECODE_ATTN_MAX_TOKENS + 1
+    assert step(torch.randint(0, 256, (2, wide), generator=gen), torch.arange(14, 14 + wide).expand(2, wide)) == []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:  # 2 rows x 9 tokens: more than 16 queries, shared among the threads by SDPA
+        assert step(torch.randint(0, 256, (2, 9), generator=gen), torch.arange(14, 23).expand(2, 9)) == []
+        assert step(torch.randint(0, 256, (2, 8), generator=gen), torch.arange(14, 22).expand(2, 8)) == [8] * layers
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("kinds", [("transposed", "linear"), ("transposed", "packed"), ("linear", "packed")])
 def test_a_row_is_the_same_whichever_kernel_its_row_count_takes_under_bf16_autocast(kinds, mp1):
     """fp32 weights under bf16 autocast (``bench/decode_precision.py``'s third mode), the QKV product with its bias:

@@ -80,8 +80,9 @@ ONE_COPY_MARGIN = 0.05
 #: additive masks made once per forward, the final norm in the glue; 13: ``skinny`` timed up to the rows of one pass
 #: (8), taking 5-8 rows in one pass. (The C glue's build is part of the key too.) 14: passes repeated for
 #: :data:`REFINE_S`. 15: ``skinny`` up to 16 rows a pass, fused multiply-adds. 16: one row shares the two-row
-#: kernel within :data:`ONE_COPY_MARGIN`. 17: the one-token point kept once a pass, like the others.
-VERSION = 17
+#: kernel within :data:`ONE_COPY_MARGIN`. 17: the one-token point kept once a pass, like the others. 18: decode steps
+#: attend in the C glue.
+VERSION = 18
 
 
 def _device_name(device: torch.device) -> str:

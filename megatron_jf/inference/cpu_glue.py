@@ -9,12 +9,16 @@ product, RoPE on q and k) and :func:`Glue.silu_mul` (SwiGLU), called through ``c
 :func:`Glue.skinny_mm` is a product kernel for a few rows (the lean forward's ``skinny`` kernel, taken per weight
 shape and row count where :func:`~megatron_jf.inference.cost_model.calibrate_products` measures it fastest): MKL and
 oneDNN read a weight from memory markedly slower for 2-4 rows than for one, this kernel nearly as fast.
+:func:`Glue.decode_attn` is a decode step's attention (a few new tokens per row over the KV cache, causal among them;
+:func:`Glue.rope_split_qkv_to_cache` writes their keys and values into the cache first): SDPA's call cost 25-40 us a
+layer for a handful of queries where the arithmetic is a few microseconds (the quickstart's 4-layer model, one
+thread, Intel Xeon: a one-token forward 1.02 -> 0.85 ms, a 4-token one 1.18 -> 0.98).
 
 Exactness: each token's values come from the same loop in the same order whatever the number of tokens in the
-forward, so the glue adds no dependence on the row count of its own (the products and SDPA may still round a row
-differently by row count, as before; greedy output is AR's either way, by verification); values differ from the
-torch ops' by rounding (a fixed summation order in the norm, a polynomial ``exp`` in SiLU: about one ulp). Not from
-the paper: this is the CPU engine's forward, and it changes no decoding rule.
+forward, so the glue adds no dependence on the row count of its own (the products may still round a row differently
+by row count, as before; greedy output is AR's either way, by verification); values differ from the torch ops' by
+rounding (a fixed summation order in the norm and the attention, a polynomial ``exp`` in SiLU and the softmax: about
+one ulp). Not from the paper: this is the CPU engine's forward, and it changes no decoding rule.
 
 :func:`load` compiles the source once per machine with the C compiler (``$CC``, else ``cc``) and ``-O3
 -march=native -ffp-contract=off`` into ``<cost cache dir>/glue/<hash>.so`` (the hash covers the source, flags,
@@ -63,14 +67,16 @@ class Glue:
         self._add = lib.jf_add
         self._add.argtypes = [_P, _P, _I, _I]
         self._rope = lib.jf_rope_split_qkv
-        self._rope.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I]
+        self._rope.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I]
+        self._attn = lib.jf_decode_attn
+        self._attn.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _F]
         self._silu_mul = lib.jf_silu_mul
         self._silu_mul.argtypes = [_P, _P, _I, _I]
         self._pack = lib.jf_pack_panels
         self._pack.argtypes = [_P, _P, _I, _I]
         self._skinny = lib.jf_skinny_mm
         self._skinny.argtypes = [_P, _P, _P, _P, _I, _I, _I]
-        for f in (self._add_rmsnorm, self._add, self._rope, self._silu_mul, self._pack, self._skinny):
+        for f in (self._add_rmsnorm, self._add, self._rope, self._attn, self._silu_mul, self._pack, self._skinny):
             f.restype = None
         lib.jf_skinny_fused.restype = ctypes.c_int
         #: True where :meth:`skinny_mm` fuses each multiply-add (the CPU has FMA: one rounding per k), False where a
@@ -98,7 +104,30 @@ class Glue:
         RoPE on q and k: ``x * cos + rotate_half(x) * sin``, ``cos``/``sin`` ``[b, s, hd]``."""
         b, s = qkv.shape[0], qkv.shape[1]
         self._rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                   b, s, ng, qpg, hd)
+                   b, s, ng, qpg, hd, ng * s * hd, s * hd)
+
+    def rope_split_qkv_to_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q: torch.Tensor,
+                                kc: torch.Tensor, vc: torch.Tensor, start: int, ng: int, qpg: int, hd: int) -> None:
+        """:meth:`rope_split_qkv` with the keys and values written straight into one layer's KV cache rows:
+        ``kc``, ``vc`` ``[b, ng, max_len, hd]`` (each row contiguous, as ``KVCache.k[layer]``), token ``t`` at slot
+        ``start + t``."""
+        b, s = qkv.shape[0], qkv.shape[1]
+        off = start * hd * 4  # bytes
+        self._rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), kc.data_ptr() + off,
+                   vc.data_ptr() + off, b, s, ng, qpg, hd, kc.stride(0), kc.stride(1))
+
+    def decode_attn(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, out: torch.Tensor,
+                    scratch: torch.Tensor, start: int, qpg: int, scale: float) -> None:
+        """Attention of ``q`` ``[b, nh, s, hd]`` (``nh = ng * qpg``) over one layer's KV cache rows ``kc``, ``vc``
+        ``[b, ng, max_len, hd]`` (each row contiguous; the ``s`` new tokens' keys and values already at slots
+        ``start..start+s-1``), token ``t`` attending slots ``0..start+t``, into ``out`` ``[b, s, nh * hd]``:
+        ``softmax(q k^T * scale) v`` per head, query head ``h`` on key/value head ``h // qpg``. ``scratch``: at
+        least ``start + s`` floats. ``hd`` a multiple of 16, at most 256 (:data:`ATTN_MAX_HD`). Each token's result
+        is the same whatever ``s`` (one loop, one summation order)."""
+        b, nh, s, hd = q.shape
+        ng = nh // qpg
+        self._attn(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), out.data_ptr(), scratch.data_ptr(), b, s, ng, qpg, hd,
+                   start, kc.stride(0), kc.stride(1), scale)
 
     def silu_mul(self, gu: torch.Tensor, out: torch.Tensor) -> None:
         """``out = silu(gu[..., :ff]) * gu[..., ff:]`` with ``gu`` ``[..., 2 * ff]``, ``out`` ``[..., ff]``."""
@@ -127,6 +156,8 @@ class Glue:
 
 #: output columns per panel of :meth:`Glue.pack_panels` (``PANEL`` in ``csrc/glue.c``)
 PANEL = 32
+#: the widest head :meth:`Glue.decode_attn` takes (``ATTN_MAX_HD`` in ``csrc/glue.c``; a multiple of 16 up to it)
+ATTN_MAX_HD = 256
 
 _LOADED: dict[str, Glue | None] = {}
 
@@ -207,8 +238,18 @@ def _check(glue: Glue) -> None:
     gate, up = torch.chunk(gu, 2, dim=-1)
     w3 = torch.randn(5 * PANEL + 5, hid, generator=g)
     prod = glue.skinny_mm(x, glue.pack_panels(w3), w3)
-    checks = {"skinny_mm": (prod, x @ w3.T), "add": (x2, x + r), "rmsnorm": (out, ref), "rope q": (q, rq), "rope k": (k, rk),
-              "v": (v, rv.transpose(1, 2)), "silu_mul": (act, F.silu(gate) * up)}
+    # decode attention: 3 new tokens after 19 committed ones in a cache of 24 slots, against SDPA with the causal tail
+    start, slots, dh = 19, 24, 32
+    kc, vc = torch.randn(b, ng, slots, dh, generator=g), torch.randn(b, ng, slots, dh, generator=g)
+    qd = torch.randn(b, ng * qpg, s, dh, generator=g)
+    att = torch.empty(b, s, ng * qpg * dh)
+    glue.decode_attn(qd, kc, vc, att, torch.empty(slots), start, qpg, 0.25)
+    allow = torch.ones(s, start + s, dtype=torch.bool).tril_(start)
+    ref_att = F.scaled_dot_product_attention(qd, kc[:, :, :start + s], vc[:, :, :start + s], attn_mask=allow,
+                                             scale=0.25, enable_gqa=True).transpose(1, 2).reshape(b, s, -1)
+    checks = {"skinny_mm": (prod, x @ w3.T), "add": (x2, x + r), "rmsnorm": (out, ref), "rope q": (q, rq),
+              "rope k": (k, rk), "v": (v, rv.transpose(1, 2)), "silu_mul": (act, F.silu(gate) * up),
+              "decode_attn": (att, ref_att)}
     for name, (got, want) in checks.items():
         if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
             raise RuntimeError(f"glue {name} differs from torch by {(got - want).abs().max().item():.3g}")

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_jf.inference import options
+from megatron_jf.inference.cpu_glue import ATTN_MAX_HD
 from megatron_jf.models.kv_cache import KVCache
 
 
@@ -91,6 +92,11 @@ PRODUCT_KERNELS = ("transposed", "packed", "linear", "skinny")
 #: Intel Xeon: a 9-token forward took 84 ms against 58 ms at 8 when the 8-row choice, ``skinny``, ran two passes of
 #: a kernel then capped at 8 rows).
 SKINNY_MAX_ROWS = 16
+
+#: Decode steps of at most this many tokens a row attend in the C glue (:meth:`LeanForward._decode_attention`); wider
+#: forwards (a prefill) take SDPA's kernels. On an Intel Xeon (one thread, the quickstart's 4-layer 256-hidden model,
+#: 150 cached tokens) SDPA took 29 us a layer for one token and 41 for four.
+DECODE_ATTN_MAX_TOKENS = 32
 
 
 def measured_kernel(table, rows: int, default):
@@ -377,7 +383,7 @@ class LeanForward:
                 k, v, allow = kv_cache.update(slot, k, v)
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=allow, is_causal=kv_cache.step_is_causal,
                                                       scale=self.scale, enable_gqa=self.ng != self.nh)
-        x = self.hidden(tokens, position_ids, mask=mask, attend=cache_attn)
+        x = self.hidden(tokens, position_ids, mask=mask, attend=cache_attn, cache=kv_cache)
         if not return_logits:
             return None
         if logit_positions is not None:
@@ -385,13 +391,15 @@ class LeanForward:
         return self.head(x)
 
     def hidden(self, tokens: torch.Tensor, position_ids: torch.Tensor, *, mask: torch.Tensor | None = None,
-               attend=None, rope: tuple | None = None) -> torch.Tensor:
+               attend=None, rope: tuple | None = None, cache: KVCache | None = None) -> torch.Tensor:
         """Hidden states ``[b, s, h]`` after the last layer (before the final norm).
 
         ``attend(slot, q [b, nh, s, hd], k/v [b, ng, s, hd]) -> [b, nh, s, hd]`` replaces the attention (a
         KV cache; the static-shape path of :mod:`megatron_jf.inference.static_decode`); without it,
         attention is causal or follows ``mask`` (megatron convention, True = masked out). ``rope`` gives
-        precomputed ``(cos, sin)`` ``[b, 1, s, d]`` (no host sync, for CUDA-graph capture).
+        precomputed ``(cos, sin)`` ``[b, 1, s, d]`` (no host sync, for CUDA-graph capture). ``cache``: the KV cache
+        ``attend`` goes through, for the C glue's decode attention (:meth:`_decode_attention`), which takes a
+        causal decode step over it in place of ``attend``.
         """
         b, s = tokens.shape
         x = self._embed(tokens)  # [b, s, h]
@@ -407,7 +415,7 @@ class LeanForward:
             attend = functools.partial(_sdpa, mask=sdpa_mask, causal=causal, scale=self.scale, gqa=gqa)
         glue = self._glue_for(x)
         if glue is not None:
-            return self._hidden_glue(glue, x, cos, sin, attend)
+            return self._hidden_glue(glue, x, cos, sin, attend, cache)
         for slot, L in enumerate(self.layers):
             h = F.rms_norm(x, L.ln1.shape, L.ln1, L.eps1)
             qkv = self._linear(h, L.qkv_w, L.names[0], L.qkv_b).view(b, s, ng, (qpg + 2) * hd)
@@ -437,20 +445,46 @@ class LeanForward:
             self.glue = cpu_glue.load()
         return self.glue
 
-    def _hidden_glue(self, glue, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
+    def _decode_attention(self, cache: KVCache | None, b: int, s: int) -> int | None:
+        """The committed length ``start`` where this forward's attention runs in the C glue (:meth:`Glue.decode_attn
+        <megatron_jf.inference.cpu_glue.Glue.decode_attn>`), else None: a causal step over ``cache``
+        (:meth:`KVCache.causal_start`) of at most :data:`DECODE_ATTN_MAX_TOKENS` tokens a row, an fp32 CPU cache,
+        a head dim the kernel takes, and one torch thread or at most 16 query tokens in all (the kernel runs on
+        one core, where SDPA would share a batch's attention among the threads)."""
+        if cache is None or s > DECODE_ATTN_MAX_TOKENS or (b * s > 16 and torch.get_num_threads() > 1):
+            return None
+        if self.hd % 16 or self.hd > ATTN_MAX_HD or cache.k.dtype != torch.float32 or cache.k.device.type != "cpu":
+            return None
+        return cache.causal_start()
+
+    def _hidden_glue(self, glue, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend,
+                     cache: KVCache | None = None) -> torch.Tensor:
         """:meth:`hidden`'s layers with the C glue: each layer is its four products, attention and three glue calls
-        on buffers allocated once per forward; the residual stream ``x`` is updated in place."""
+        on buffers allocated once per forward; the residual stream ``x`` is updated in place. A decode step over
+        ``cache`` (:meth:`_decode_attention`) writes each layer's keys and values into the cache and attends in
+        the glue (the same values as ``attend`` up to rounding, each token's the same whatever the step's width)."""
         b, s, hid = x.shape
         hd, nh, ng, qpg = self.hd, self.nh, self.ng, self.qpg
         cos = cos.reshape(b, s, hd).contiguous()  # [b, 1, s, hd] tables, one row per token
         sin = sin.reshape(b, s, hd).contiguous()
         h = torch.empty_like(x)
-        q, k, v = x.new_empty(b, nh, s, hd), x.new_empty(b, ng, s, hd), x.new_empty(b, ng, s, hd)
+        start = self._decode_attention(cache, b, s)
+        q = x.new_empty(b, nh, s, hd)
+        if start is None:
+            k, v = x.new_empty(b, ng, s, hd), x.new_empty(b, ng, s, hd)
+        else:
+            o, scratch = x.new_empty(b, s, nh * hd), x.new_empty(start + s)
         act, r = None, None
         for slot, L in enumerate(self.layers):
             glue.add_rmsnorm(x, r, L.ln1, h, _norm_eps(L.eps1))
-            glue.rope_split_qkv(self._linear(h, L.qkv_w, L.names[0], L.qkv_b), cos, sin, q, k, v, ng, qpg, hd)
-            o = attend(slot, q, k, v).transpose(1, 2).reshape(b, s, nh * hd)
+            qkv = self._linear(h, L.qkv_w, L.names[0], L.qkv_b)
+            if start is None:
+                glue.rope_split_qkv(qkv, cos, sin, q, k, v, ng, qpg, hd)
+                o = attend(slot, q, k, v).transpose(1, 2).reshape(b, s, nh * hd)
+            else:
+                kc, vc = cache.k[slot], cache.v[slot]
+                glue.rope_split_qkv_to_cache(qkv, cos, sin, q, kc, vc, start, ng, qpg, hd)
+                glue.decode_attn(q, kc, vc, o, scratch, start, qpg, self.scale)
             glue.add_rmsnorm(x, self._all_reduce(self._linear(o, L.proj_w, L.names[1])), L.ln2, h,
                              _norm_eps(L.eps2))
             gu = self._linear(h, L.fc1_w, L.names[2])

@@ -188,6 +188,17 @@ class KVCache:
         st.additive[dtype] = hit
         return hit
 
+    def causal_start(self) -> int | None:
+        """The committed length of every row when this forward's ``s`` tokens go to slots ``start..start+s-1`` of
+        every row (all rows at one length) and each attends every committed slot and the new tokens up to itself
+        (causal: a decode step's ``[last] + draft``, a prefill); None for any other forward (ragged rows, a tree mask,
+        a second pass over slots) or outside a forward. Attention kernels that write the keys and values in place
+        and apply this mask themselves take such forwards (:meth:`update` is then not called)."""
+        st = self._step
+        if st is None or st.start is None or st.mask is not None or st.write_pos is not None:
+            return None
+        return st.start
+
     @property
     def step_is_causal(self) -> bool:
         """True when this forward is plain causal attention over its own tokens (``update`` returns no mask

@@ -14,6 +14,9 @@
 #include <math.h>
 #include <stdint.h>
 
+typedef float v16 __attribute__((vector_size(64)));          /* 16 floats (two AVX registers without AVX-512) */
+typedef float v16u __attribute__((vector_size(64), aligned(4))); /* the same, at any float's address */
+
 #define LANES 16
 
 /* sum of squares of v[0..d) in a fixed order: LANES interleaved partial sums, then the tail, then the partials */
@@ -58,9 +61,10 @@ static void rope(const float *x, const float *c, const float *s, float *y, int64
 /* Split a QKV product and rotate q and k.
  *   qkv [b, s, ng, (qpg + 2) * hd]: per query group, qpg query heads, then its key head, then its value head
  *   cos, sin [b, s, hd]: each token's RoPE table row
- *   q [b, ng * qpg, s, hd], k and v [b, ng, s, hd] (out)                                                        */
+ *   q [b, ng * qpg, s, hd] (out); k and v (out): token t of group g of row bi at k + bi * kv_row + g * kv_group +
+ *   t * hd (a [b, ng, s, hd] buffer: kv_row = ng * s * hd, kv_group = s * hd; or a KV cache's rows from a slot on) */
 void jf_rope_split_qkv(const float *qkv, const float *cos, const float *sin, float *q, float *k, float *v,
-                       int64_t b, int64_t s, int64_t ng, int64_t qpg, int64_t hd) {
+                       int64_t b, int64_t s, int64_t ng, int64_t qpg, int64_t hd, int64_t kv_row, int64_t kv_group) {
   const int64_t group = (qpg + 2) * hd, nh = ng * qpg;
   for (int64_t bi = 0; bi < b; bi++)
     for (int64_t t = 0; t < s; t++) {
@@ -70,9 +74,9 @@ void jf_rope_split_qkv(const float *qkv, const float *cos, const float *sin, flo
         const float *src = row + g * group;
         for (int64_t j = 0; j < qpg; j++)
           rope(src + j * hd, c, sn, q + ((bi * nh + g * qpg + j) * s + t) * hd, hd);
-        rope(src + qpg * hd, c, sn, k + ((bi * ng + g) * s + t) * hd, hd);
+        rope(src + qpg * hd, c, sn, k + bi * kv_row + g * kv_group + t * hd, hd);
         const float *vs = src + (qpg + 1) * hd;
-        float *vd = v + ((bi * ng + g) * s + t) * hd;
+        float *vd = v + bi * kv_row + g * kv_group + t * hd;
         for (int64_t j = 0; j < hd; j++) vd[j] = vs[j];
       }
     }
@@ -121,8 +125,6 @@ void jf_silu_mul(const float *gu, float *out, int64_t rows, int64_t ff) {
  * at 1-8 rows, 876-944 -> 541-710 at 9-16.
  * --------------------------------------------------------------------------------------------------------------- */
 #define PANEL 32 /* output columns per panel */
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
 
 /* MADD16(a, x, w) = a + x * w, fused (one rounding) where the CPU has FMA; the scalar tail columns round the same
  * way (macros, not functions: a 64-byte vector argument has no stable ABI without AVX-512) */
@@ -267,4 +269,148 @@ void jf_skinny_mm(const float *x, const float *panels, const float *w, float *y,
         yr[r * N + n] = acc;
       }
   }
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * Decode attention: a few new tokens per row over the row's KV cache, causal among the new tokens. On a CPU, SDPA's
+ * call costs 25-40 us a layer for a handful of queries (the first ops after a product find torch's code evicted; a
+ * mask for more than one token; the output copied to [b, s, h]) where the arithmetic is a few microseconds.
+ * Each (row, head, token) is computed by one loop in one order whatever s is, so a token's output does not depend on
+ * how many tokens share its forward:
+ *   score_j = (sum over the head dim in 16 lanes, chunk by chunk with MADD16, then the lanes summed pairwise: l and
+ *             l + 8, then + 4, + 2, + 1) * scale -- 16 keys at a time through a butterfly of shuffles that adds the
+ *             lanes in that same order, the last n % 16 keys one at a time;
+ *   p_j = exp_poly(score_j - max); sum = the p_j in 16 interleaved partial sums, the tail, then the partials in order;
+ *   o = (sum_j p_j v_j, in 4 interleaved partial sums by j mod 4, the last n % 4 keys into the first, then added in
+ *        order) / sum.
+ * --------------------------------------------------------------------------------------------------------------- */
+#define ATTN_MAX_HD 256 /* head dims up to this many channels (a multiple of 16) */
+
+#if defined(__clang__)
+#define SHUFFLE2(a, b, ...) __builtin_shufflevector((a), (b), __VA_ARGS__)
+#else
+typedef int32_t v16i __attribute__((vector_size(64)));
+#define SHUFFLE2(a, b, ...) __builtin_shuffle((a), (b), (v16i){__VA_ARGS__})
+#endif
+#define SHUFFLE1(a, ...) SHUFFLE2(a, a, __VA_ARGS__)
+
+/* one key's 16 lane sums of q . k over the head dim (nv chunks of 16) */
+#define KEY_LANES(acc, qv, kp, nv)                                                                             \
+  do {                                                                                                         \
+    acc = (qv)[0] * *(const v16u *)(kp);                                                                       \
+    for (int64_t c_ = 1; c_ < (nv); c_++) acc = MADD16(acc, (qv)[c_], *(const v16u *)((kp) + 16 * c_));        \
+  } while (0)
+
+/* the sum of a's 16 lanes: l and l + 8, then l and l + 4, l + 2, l + 1 */
+static inline float lanes_sum(const v16 *p) {
+  v16 a = *p;
+  a = a + SHUFFLE1(a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  a = a + SHUFFLE1(a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  a = a + SHUFFLE1(a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  a = a + SHUFFLE1(a, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return a[0];
+}
+
+/* out = the lane sums of 16 keys' vectors a[0..15] (as lanes_sum adds them), key k in lane k */
+static inline void keys_sum(const v16 *a, v16 *out) {
+  v16 l1[8], l2[4], l3[2];
+  for (int i = 0; i < 8; i++) /* keys 2i, 2i + 1: lanes l + (l + 8) of each, 8 lanes a key */
+    l1[i] = SHUFFLE2(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            SHUFFLE2(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; i++) /* 4 lanes a key */
+    l2[i] = SHUFFLE2(l1[2 * i], l1[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+            SHUFFLE2(l1[2 * i], l1[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; i++) /* 2 lanes a key */
+    l3[i] = SHUFFLE2(l2[2 * i], l2[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+            SHUFFLE2(l2[2 * i], l2[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  *out = SHUFFLE2(l3[0], l3[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         SHUFFLE2(l3[0], l3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* one query qt[hd] over keys and values K, V [n][hd] (one row's group): ot[hd] = softmax(qt . K^T * scale) . V;
+ * sc: scratch of n floats. Inlined with nv = hd / 16 a constant where it can be, so the sums stay in registers. */
+static inline __attribute__((always_inline)) void attend_one(const float *qt, const float *K, const float *V,
+                                                               float *ot, float *sc, int64_t n, const int64_t nv,
+                                                               float scale) {
+  const v16 scalev = {scale, scale, scale, scale, scale, scale, scale, scale,
+                      scale, scale, scale, scale, scale, scale, scale, scale};
+  v16 qv[ATTN_MAX_HD / 16];
+  for (int64_t c = 0; c < nv; c++) qv[c] = *(const v16u *)(qt + 16 * c);
+  v16 mv = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY,
+            -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    v16 a[16], d;
+    for (int k = 0; k < 16; k++) KEY_LANES(a[k], qv, K + (j + k) * 16 * nv, nv);
+    keys_sum(a, &d);
+    d = d * scalev;
+    *(v16u *)(sc + j) = d;
+    for (int l = 0; l < 16; l++) mv[l] = d[l] > mv[l] ? d[l] : mv[l];
+  }
+  float m = -INFINITY;
+  for (int l = 0; l < 16; l++) m = mv[l] > m ? mv[l] : m;
+  for (; j < n; j++) {
+    v16 a0;
+    KEY_LANES(a0, qv, K + j * 16 * nv, nv);
+    const float d = lanes_sum(&a0) * scale;
+    sc[j] = d;
+    m = d > m ? d : m;
+  }
+  float part[LANES] = {0};
+  j = 0;
+  for (; j + LANES <= n; j += LANES)
+    for (int l = 0; l < LANES; l++) {
+      const float e = exp_poly(sc[j + l] - m);
+      sc[j + l] = e;
+      part[l] += e;
+    }
+  float sum = 0.f;
+  for (; j < n; j++) {
+    const float e = exp_poly(sc[j] - m);
+    sc[j] = e;
+    sum += e;
+  }
+  for (int l = 0; l < LANES; l++) sum += part[l];
+  v16 acc[4][ATTN_MAX_HD / 16];
+  for (int u = 0; u < 4; u++)
+    for (int64_t c = 0; c < nv; c++) acc[u][c] = (v16){0};
+  for (j = 0; j + 4 <= n; j += 4)
+    for (int u = 0; u < 4; u++) {
+      const float p = sc[j + u];
+      const v16 pv = {p, p, p, p, p, p, p, p, p, p, p, p, p, p, p, p};
+      const float *vj = V + (j + u) * 16 * nv;
+      for (int64_t c = 0; c < nv; c++) acc[u][c] = MADD16(acc[u][c], pv, *(const v16u *)(vj + 16 * c));
+    }
+  for (; j < n; j++) {
+    const float p = sc[j];
+    const v16 pv = {p, p, p, p, p, p, p, p, p, p, p, p, p, p, p, p};
+    for (int64_t c = 0; c < nv; c++) acc[0][c] = MADD16(acc[0][c], pv, *(const v16u *)(V + j * 16 * nv + 16 * c));
+  }
+  const v16 sv = {sum, sum, sum, sum, sum, sum, sum, sum, sum, sum, sum, sum, sum, sum, sum, sum};
+  for (int64_t c = 0; c < nv; c++) *(v16u *)(ot + 16 * c) = (((acc[0][c] + acc[1][c]) + acc[2][c]) + acc[3][c]) / sv;
+}
+
+/* q [b, ng * qpg, s, hd]; row bi's keys (values) of group g at kc (vc) + bi * kv_row + g * kv_group, slot j at
+ * + j * hd, the new tokens' own at slots start..start+s-1; token t attends slots 0..start+t.
+ * o [b, s, ng * qpg * hd] (out); sc: scratch of start + s floats. hd a multiple of 16, at most ATTN_MAX_HD. */
+void jf_decode_attn(const float *q, const float *kc, const float *vc, float *o, float *sc, int64_t b, int64_t s,
+                    int64_t ng, int64_t qpg, int64_t hd, int64_t start, int64_t kv_row, int64_t kv_group,
+                    float scale) {
+  const int64_t nh = ng * qpg, nv = hd / 16;
+  for (int64_t bi = 0; bi < b; bi++)
+    for (int64_t h = 0; h < nh; h++) {
+      const int64_t g = h / qpg;
+      const float *K = kc + bi * kv_row + g * kv_group, *V = vc + bi * kv_row + g * kv_group;
+      for (int64_t t = 0; t < s; t++) {
+        const float *qt = q + ((bi * nh + h) * s + t) * hd;
+        float *ot = o + ((bi * s + t) * nh + h) * hd;
+        const int64_t n = start + t + 1;
+        switch (nv) { /* the usual head dims with the chunk count a constant */
+          case 2: attend_one(qt, K, V, ot, sc, n, 2, scale); break;
+          case 4: attend_one(qt, K, V, ot, sc, n, 4, scale); break;
+          case 8: attend_one(qt, K, V, ot, sc, n, 8, scale); break;
+          default: attend_one(qt, K, V, ot, sc, n, nv, scale);
+        }
+      }
+    }
 }
