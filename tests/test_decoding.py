@@ -154,8 +154,12 @@ def test_width_follows_the_cost_table_in_the_engine(models):
     measured = Engine(eng.model)  # this machine's cost (measured once, cached under MEGATRON_JF_COST_CACHE)
     for o, r in zip(measured.generate(prompts, DecodeConfig("mr"), max_new_tokens=40), ref):
         assert o.tokens == r.tokens
-    # steps are timed against the measured table (a given table is used as it is: no calibration)
+    # steps are timed against the measured table (a given table is used as it is: no calibration); a single row's
+    # steps are not recorded (no penalty reads them)
     assert measured.step_calibration.steps > 0
+    single = Engine(eng.model)
+    assert single.generate(prompts[:1], DecodeConfig("mr"), max_new_tokens=40)[0].tokens == ref[0].tokens
+    assert single.step_calibration.steps == 0
     assert Engine(eng.model, forward_cost=free).step_calibration is None
 
 

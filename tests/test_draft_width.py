@@ -306,6 +306,15 @@ def test_step_calibration_backs_off_where_drafting_steps_emit_less_per_second():
     assert pays.penalty(1) == 1.0
 
 
+def test_step_calibration_is_recorded_only_where_it_is_read():
+    """read_at: the engine skips recording steps whose row count's bucket no penalty reads (one row by default); with
+    min_rows=3 two-row steps share the bucket of three rows and are still read."""
+    assert [StepCalibration().read_at(r) for r in (1, 2, 3, 4)] == [False, True, True, True]
+    assert [StepCalibration(min_rows=3).read_at(r) for r in (1, 2, 3, 5)] == [False, True, True, True]
+    assert [StepCalibration(min_rows=4).read_at(r) for r in (2, 3, 4)] == [False, False, True]
+    assert StepCalibration(min_rows=1).read_at(1)
+
+
 def test_step_calibration_leaves_a_single_row_to_the_table():
     """By default one row's steps are not priced (the quickstart JF model at batch 1: calibrated TPF 1.53-1.69,
     not 1.79; StepCalibration's docstring): drafting steps measured at 3x their forward, or emitting less per second
