@@ -131,19 +131,20 @@ def _attn_case(b, ng, qpg, hd, start, s, slots, seed=0):
 def _attn(glue, q, kc, vc, start, qpg, scale):
     b, nh, s, hd = q.shape
     out = torch.full((b, s, nh * hd), float("nan"))
-    glue.decode_attn(q.contiguous(), kc, vc, out, torch.empty(start + s), start, qpg, scale)
+    glue.decode_attn(q.contiguous(), kc, vc, out, torch.empty(glue.attn_scratch(s, qpg, hd, start)), start, qpg, scale)
     return out
 
 
 @needs_cc
 @pytest.mark.parametrize("shape", [(1, 2, 4, 32, 150, 1), (1, 2, 4, 32, 150, 8), (2, 3, 3, 64, 37, 5),
                                    (1, 1, 1, 16, 0, 20), (3, 2, 1, 48, 15, 1), (1, 4, 2, 128, 64, 17),
-                                   (1, 1, 2, 256, 3, 3)])
+                                   (1, 1, 2, 256, 3, 3), (1, 2, 3, 32, 127, 3), (2, 1, 4, 64, 60, 9)])
 def test_decode_attention_equals_sdpa_over_the_cache(glue, shape):
     """jf_decode_attn: s new tokens (their keys/values at slots start..start+s-1) over each row's cache, causal among
     the new tokens, GQA (query head h on key/value head h // qpg), output [b, s, heads * hd] -- SDPA's values up to
     rounding, for head dims 16-256 (one to sixteen 16-lane chunks), key counts below and past 16 (the butterfly's
-    blocks and the one-at-a-time tail), an empty cache (a prefill) and several rows."""
+    blocks and the one-at-a-time tail), 64-key chunks ending inside and at a token's keys (127 + 1..3: the four-way
+    value sums' tail in the chunk after the last full one), an empty cache (a prefill) and several rows."""
     b, ng, qpg, hd, start, s = shape
     q, kc, vc = _attn_case(b, ng, qpg, hd, start, s, slots=start + s + 5, seed=sum(shape))
     scale = hd ** -0.5

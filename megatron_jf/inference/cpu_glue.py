@@ -122,12 +122,20 @@ class Glue:
         ``[b, ng, max_len, hd]`` (each row contiguous; the ``s`` new tokens' keys and values already at slots
         ``start..start+s-1``), token ``t`` attending slots ``0..start+t``, into ``out`` ``[b, s, nh * hd]``:
         ``softmax(q k^T * scale) v`` per head, query head ``h`` on key/value head ``h // qpg``. ``scratch``: at
-        least ``start + s`` floats. ``hd`` a multiple of 16, at most 256 (:data:`ATTN_MAX_HD`). Each token's result
-        is the same whatever ``s`` (one loop, one summation order)."""
+        least :meth:`attn_scratch` floats. ``hd`` a multiple of 16, at most 256 (:data:`ATTN_MAX_HD`). Each token's
+        result is the same whatever ``s`` (one loop, one summation order); a KV head's keys and values are read once
+        per 64-key chunk for all its queries."""
         b, nh, s, hd = q.shape
         ng = nh // qpg
         self._attn(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), out.data_ptr(), scratch.data_ptr(), b, s, ng, qpg, hd,
                    start, kc.stride(0), kc.stride(1), scale)
+
+    @staticmethod
+    def attn_scratch(s: int, qpg: int, hd: int, start: int) -> int:
+        """Floats of scratch :meth:`decode_attn` needs for ``s`` tokens after ``start`` cached ones, ``qpg`` query
+        heads per KV head of ``hd`` channels: each of a KV head's ``qpg * s`` queries keeps its scores and four
+        partial sums of the values."""
+        return qpg * s * (start + s + 4 * hd + 1)
 
     def silu_mul(self, gu: torch.Tensor, out: torch.Tensor) -> None:
         """``out = silu(gu[..., :ff]) * gu[..., ff:]`` with ``gu`` ``[..., 2 * ff]``, ``out`` ``[..., ff]``."""
@@ -243,7 +251,7 @@ def _check(glue: Glue) -> None:
     kc, vc = torch.randn(b, ng, slots, dh, generator=g), torch.randn(b, ng, slots, dh, generator=g)
     qd = torch.randn(b, ng * qpg, s, dh, generator=g)
     att = torch.empty(b, s, ng * qpg * dh)
-    glue.decode_attn(qd, kc, vc, att, torch.empty(slots), start, qpg, 0.25)
+    glue.decode_attn(qd, kc, vc, att, torch.empty(glue.attn_scratch(s, qpg, dh, start)), start, qpg, 0.25)
     allow = torch.ones(s, start + s, dtype=torch.bool).tril_(start)
     ref_att = F.scaled_dot_product_attention(qd, kc[:, :, :start + s], vc[:, :, :start + s], attn_mask=allow,
                                              scale=0.25, enable_gqa=True).transpose(1, 2).reshape(b, s, -1)

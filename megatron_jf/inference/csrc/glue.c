@@ -327,37 +327,34 @@ static inline void keys_sum(const v16 *a, v16 *out) {
          SHUFFLE2(l3[0], l3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-/* one query qt[hd] over keys and values K, V [n][hd] (one row's group): ot[hd] = softmax(qt . K^T * scale) . V;
- * sc: scratch of n floats. Inlined with nv = hd / 16 a constant where it can be, so the sums stay in registers. */
-static inline __attribute__((always_inline)) void attend_one(const float *qt, const float *K, const float *V,
-                                                               float *ot, float *sc, int64_t n, const int64_t nv,
-                                                               float scale) {
+#define ATTN_CHUNK 64 /* keys whose K (then V) rows stay in L1 while every query of a KV head reads them */
+
+/* scores of one query (qv: its nv chunks) for keys [j0, j1), j0 a multiple of 16: 16-key blocks through the butterfly,
+ * the last j1 % 16 keys one at a time (the same sums either way) */
+static inline __attribute__((always_inline)) void scores_range(const v16 *qv, const float *K, float *sc, int64_t j0,
+                                                                 int64_t j1, const int64_t nv, float scale) {
   const v16 scalev = {scale, scale, scale, scale, scale, scale, scale, scale,
                       scale, scale, scale, scale, scale, scale, scale, scale};
-  v16 qv[ATTN_MAX_HD / 16];
-  for (int64_t c = 0; c < nv; c++) qv[c] = *(const v16u *)(qt + 16 * c);
-  v16 mv = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY,
-            -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
+  int64_t j = j0;
+  for (; j + 16 <= j1; j += 16) {
     v16 a[16], d;
     for (int k = 0; k < 16; k++) KEY_LANES(a[k], qv, K + (j + k) * 16 * nv, nv);
     keys_sum(a, &d);
-    d = d * scalev;
-    *(v16u *)(sc + j) = d;
-    for (int l = 0; l < 16; l++) mv[l] = d[l] > mv[l] ? d[l] : mv[l];
+    *(v16u *)(sc + j) = d * scalev;
   }
-  float m = -INFINITY;
-  for (int l = 0; l < 16; l++) m = mv[l] > m ? mv[l] : m;
-  for (; j < n; j++) {
+  for (; j < j1; j++) {
     v16 a0;
     KEY_LANES(a0, qv, K + j * 16 * nv, nv);
-    const float d = lanes_sum(&a0) * scale;
-    sc[j] = d;
-    m = d > m ? d : m;
+    sc[j] = lanes_sum(&a0) * scale;
   }
+}
+
+/* p[0..n) = exp(sc - max) in place; returns their sum (16 interleaved partial sums, the tail, then the partials) */
+static float softmax_numerators(float *sc, int64_t n) {
+  float m = -INFINITY;
+  for (int64_t j = 0; j < n; j++) m = sc[j] > m ? sc[j] : m;
   float part[LANES] = {0};
-  j = 0;
+  int64_t j = 0;
   for (; j + LANES <= n; j += LANES)
     for (int l = 0; l < LANES; l++) {
       const float e = exp_poly(sc[j + l] - m);
@@ -371,46 +368,86 @@ static inline __attribute__((always_inline)) void attend_one(const float *qt, co
     sum += e;
   }
   for (int l = 0; l < LANES; l++) sum += part[l];
-  v16 acc[4][ATTN_MAX_HD / 16];
-  for (int u = 0; u < 4; u++)
-    for (int64_t c = 0; c < nv; c++) acc[u][c] = (v16){0};
-  for (j = 0; j + 4 <= n; j += 4)
-    for (int u = 0; u < 4; u++) {
-      const float p = sc[j + u];
-      const v16 pv = {p, p, p, p, p, p, p, p, p, p, p, p, p, p, p, p};
-      const float *vj = V + (j + u) * 16 * nv;
-      for (int64_t c = 0; c < nv; c++) acc[u][c] = MADD16(acc[u][c], pv, *(const v16u *)(vj + 16 * c));
+  return sum;
+}
+
+/* One KV head's queries -- qpg heads x s tokens, query i = (head j, token t) with i = j * s + t, at q + i * hd -- over its
+ * keys and values K, V [start + s][hd]: token t attends keys 0..start+t. Keys are taken ATTN_CHUNK at a time, every
+ * query reading the chunk while it is in L1 (first the scores, then the values). scr: (qpg * s) * (start + s + 4 * hd)
+ * floats. Output row i at o + (t * nh + j) * hd. Each query's sums run in one order whatever s and qpg are. */
+static inline __attribute__((always_inline)) void attend_head(const float *q, const float *K, const float *V, float *o,
+                                                                float *scr, int64_t s, int64_t qpg, int64_t nh,
+                                                                int64_t start, const int64_t nv, float scale) {
+  const int64_t hd = 16 * nv, Q = qpg * s, L = start + s;
+  float *sc = scr, *accbuf = scr + Q * L, *sums = accbuf + Q * 4 * hd;
+  for (int64_t c0 = 0; c0 < L; c0 += ATTN_CHUNK)
+    for (int64_t i = 0; i < Q; i++) {
+      const int64_t n = start + i % s + 1;
+      if (c0 >= n) continue;
+      v16 qv[ATTN_MAX_HD / 16];
+      for (int64_t c = 0; c < nv; c++) qv[c] = *(const v16u *)(q + i * hd + 16 * c);
+      scores_range(qv, K, sc + i * L, c0, c0 + ATTN_CHUNK < n ? c0 + ATTN_CHUNK : n, nv, scale);
     }
-  for (; j < n; j++) {
-    const float p = sc[j];
-    const v16 pv = {p, p, p, p, p, p, p, p, p, p, p, p, p, p, p, p};
-    for (int64_t c = 0; c < nv; c++) acc[0][c] = MADD16(acc[0][c], pv, *(const v16u *)(V + j * 16 * nv + 16 * c));
+  for (int64_t i = 0; i < Q; i++) sums[i] = softmax_numerators(sc + i * L, start + i % s + 1);
+  for (int64_t x = 0; x < Q * 4 * hd; x++) accbuf[x] = 0.f;
+  /* o = sum_j p_j v_j: 4 interleaved sums by j mod 4 over the first n - n % 4 keys, the last n % 4 into the first */
+  for (int64_t c0 = 0; c0 < L; c0 += ATTN_CHUNK)
+    for (int64_t i = 0; i < Q; i++) {
+      const int64_t n = start + i % s + 1, n4 = n - n % 4;
+      if (c0 >= n) continue;
+      const float *p = sc + i * L;
+      v16 acc[4][ATTN_MAX_HD / 16];
+      float *ab = accbuf + i * 4 * hd;
+      for (int u = 0; u < 4; u++)
+        for (int64_t c = 0; c < nv; c++) acc[u][c] = *(const v16u *)(ab + (u * nv + c) * 16);
+      const int64_t c1 = c0 + ATTN_CHUNK < n4 ? c0 + ATTN_CHUNK : n4;
+      for (int64_t j = c0; j < c1; j += 4)
+        for (int u = 0; u < 4; u++) {
+          const float pj = p[j + u];
+          const v16 pv = {pj, pj, pj, pj, pj, pj, pj, pj, pj, pj, pj, pj, pj, pj, pj, pj};
+          const float *vj = V + (j + u) * hd;
+          for (int64_t c = 0; c < nv; c++) acc[u][c] = MADD16(acc[u][c], pv, *(const v16u *)(vj + 16 * c));
+        }
+      if (n4 < c0 + ATTN_CHUNK) /* the chunk that holds key n4: the tail after every 4-way key */
+        for (int64_t j = n4; j < n; j++) {
+          const float pj = p[j];
+          const v16 pv = {pj, pj, pj, pj, pj, pj, pj, pj, pj, pj, pj, pj, pj, pj, pj, pj};
+          for (int64_t c = 0; c < nv; c++) acc[0][c] = MADD16(acc[0][c], pv, *(const v16u *)(V + j * hd + 16 * c));
+        }
+      for (int u = 0; u < 4; u++)
+        for (int64_t c = 0; c < nv; c++) *(v16u *)(ab + (u * nv + c) * 16) = acc[u][c];
+    }
+  for (int64_t i = 0; i < Q; i++) {
+    const float *ab = accbuf + i * 4 * hd;
+    const float sum = sums[i];
+    const v16 sv = {sum, sum, sum, sum, sum, sum, sum, sum, sum, sum, sum, sum, sum, sum, sum, sum};
+    float *ot = o + ((i % s) * nh + i / s) * hd;
+    for (int64_t c = 0; c < nv; c++) {
+      const v16 a0 = *(const v16u *)(ab + c * 16), a1 = *(const v16u *)(ab + (nv + c) * 16);
+      const v16 a2 = *(const v16u *)(ab + (2 * nv + c) * 16), a3 = *(const v16u *)(ab + (3 * nv + c) * 16);
+      *(v16u *)(ot + 16 * c) = (((a0 + a1) + a2) + a3) / sv;
+    }
   }
-  const v16 sv = {sum, sum, sum, sum, sum, sum, sum, sum, sum, sum, sum, sum, sum, sum, sum, sum};
-  for (int64_t c = 0; c < nv; c++) *(v16u *)(ot + 16 * c) = (((acc[0][c] + acc[1][c]) + acc[2][c]) + acc[3][c]) / sv;
 }
 
 /* q [b, ng * qpg, s, hd]; row bi's keys (values) of group g at kc (vc) + bi * kv_row + g * kv_group, slot j at
  * + j * hd, the new tokens' own at slots start..start+s-1; token t attends slots 0..start+t.
- * o [b, s, ng * qpg * hd] (out); sc: scratch of start + s floats. hd a multiple of 16, at most ATTN_MAX_HD. */
-void jf_decode_attn(const float *q, const float *kc, const float *vc, float *o, float *sc, int64_t b, int64_t s,
+ * o [b, s, ng * qpg * hd] (out); scr: scratch of (qpg * s) * (start + s + 4 * hd) + qpg * s floats. hd a multiple of 16,
+ * at most ATTN_MAX_HD. */
+void jf_decode_attn(const float *q, const float *kc, const float *vc, float *o, float *scr, int64_t b, int64_t s,
                     int64_t ng, int64_t qpg, int64_t hd, int64_t start, int64_t kv_row, int64_t kv_group,
                     float scale) {
   const int64_t nh = ng * qpg, nv = hd / 16;
   for (int64_t bi = 0; bi < b; bi++)
-    for (int64_t h = 0; h < nh; h++) {
-      const int64_t g = h / qpg;
+    for (int64_t g = 0; g < ng; g++) {
       const float *K = kc + bi * kv_row + g * kv_group, *V = vc + bi * kv_row + g * kv_group;
-      for (int64_t t = 0; t < s; t++) {
-        const float *qt = q + ((bi * nh + h) * s + t) * hd;
-        float *ot = o + ((bi * s + t) * nh + h) * hd;
-        const int64_t n = start + t + 1;
-        switch (nv) { /* the usual head dims with the chunk count a constant */
-          case 2: attend_one(qt, K, V, ot, sc, n, 2, scale); break;
-          case 4: attend_one(qt, K, V, ot, sc, n, 4, scale); break;
-          case 8: attend_one(qt, K, V, ot, sc, n, 8, scale); break;
-          default: attend_one(qt, K, V, ot, sc, n, nv, scale);
-        }
+      const float *qg = q + (bi * nh + g * qpg) * s * hd; /* its qpg heads' s tokens, back to back */
+      float *og = o + (bi * s * nh + g * qpg) * hd;
+      switch (nv) { /* the usual head dims with the chunk count a constant */
+        case 2: attend_head(qg, K, V, og, scr, s, qpg, nh, start, 2, scale); break;
+        case 4: attend_head(qg, K, V, og, scr, s, qpg, nh, start, 4, scale); break;
+        case 8: attend_head(qg, K, V, og, scr, s, qpg, nh, start, 8, scale); break;
+        default: attend_head(qg, K, V, og, scr, s, qpg, nh, start, nv, scale);
       }
     }
 }
