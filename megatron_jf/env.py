@@ -127,8 +127,8 @@ VARIABLES: dict[str, Var] = _variables(
         "off: multi-row products on CPU through `F.linear` instead of oneDNN on packed weight copies",
         values="`0`", shown_default="on where torch has oneDNN"),
     Var("MEGATRON_JF_CPU_GLUE", "switch", True,
-        "off: the lean forward's fp32 CPU glue (norms, RoPE, SwiGLU) as torch ops instead of the C library it builds "
-        "once per machine (`megatron_jf/inference/cpu_glue.py`)", values="`0`",
+        "off: the lean forward's fp32 CPU glue (norms, RoPE, SwiGLU, a decode step's attention) as torch ops and SDPA "
+        "instead of the C library it builds once per machine (`megatron_jf/inference/cpu_glue.py`)", values="`0`",
         shown_default="on where a C compiler builds it"),
     Var("MEGATRON_JF_MR_VERIFY", "choice", "auto",
         "how MR verifies recycled candidates (`megatron_jf/inference/mr_verify.py`)",
