@@ -12,7 +12,7 @@ oneDNN read a weight from memory markedly slower for 2-4 rows than for one, this
 :func:`Glue.decode_attn` is a decode step's attention (a few new tokens per row over the KV cache, causal among them;
 :func:`Glue.rope_split_qkv_to_cache` writes their keys and values into the cache first): SDPA's call cost 25-40 us a
 layer for a handful of queries where the arithmetic is a few microseconds (the quickstart's 4-layer model, one
-thread, Intel Xeon: a one-token forward 1.02 -> 0.85 ms, a 4-token one 1.18 -> 0.98).
+thread, Intel Xeon, same process: a one-token forward 1.05 -> 0.88 ms, a 4-token one 1.24 -> 1.01).
 
 Exactness: each token's values come from the same loop in the same order whatever the number of tokens in the
 forward, so the glue adds no dependence on the row count of its own (the products may still round a row differently
@@ -112,7 +112,7 @@ class Glue:
         ``kc``, ``vc`` ``[b, ng, max_len, hd]`` (each row contiguous, as ``KVCache.k[layer]``), token ``t`` at slot
         ``start + t``."""
         b, s = qkv.shape[0], qkv.shape[1]
-        off = start * hd * 4  # bytes
+        off = start * hd * kc.element_size()  # bytes to slot `start`
         self._rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), kc.data_ptr() + off,
                    vc.data_ptr() + off, b, s, ng, qpg, hd, kc.stride(0), kc.stride(1))
 
