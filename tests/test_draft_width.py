@@ -223,6 +223,44 @@ def test_jacobi_update_keeps_guesses_past_the_verified_part():
     assert st.draft == [41, 8, 40, 40]  # g past the accepted token, then the unverified guess 8, then refill
 
 
+def test_an_ar_step_still_observes_the_first_draft_token():
+    """A step the width choice made AR forwards no draft token, yet its token says whether the draft's first token
+    -- and each MR candidate's -- would have been accepted. Without that record a request whose first drafts failed
+    kept its low estimates, drafted nothing and so never saw a draft again (the quickstart JF model: a quarter of
+    its steps AR in one run, TPF 1.52 against 1.60-1.70)."""
+    pol = policy_for(DecodeConfig("jacobi", block_size=4, draft_init="repeat"))
+    ctx = [1, 2, 3]
+    st = pol.new_state(ctx, 0)
+    st.stats.record("draft", 2, 0)
+    st.stats.record("draft", 2, 0)  # two failed drafts: the estimate is now below what a draft must reach
+    cost = _linear_cost(0.1)
+    widths = []
+    for _ in range(6):  # AR steps whose token is the draft's first each time (text the draft foresees)
+        pol.propose(st, ctx)
+        widths.append(choose_widths(cost, [RowDraft(pol.draft_probs(st))])[0])
+        tok = st.draft[0]
+        ctx = ctx + [tok]
+        pol.observe(st, ctx, Outcome([tok], [tok], 0))
+    assert widths[0] == 0 and widths[-1] > 0, widths
+    before = st.stats.snapshot()["draft"]["tried"][0]
+    pol.propose(st, ctx)
+    miss = st.draft[0] + 1
+    pol.observe(st, ctx + [miss], Outcome([miss], [miss], 0))  # one it did not foresee: tried, not accepted
+    snap = st.stats.snapshot()["draft"]
+    assert snap["tried"][0] == pytest.approx(before * st.stats.decay + 1)
+    assert snap["accepted"][0] < snap["tried"][0] - 1 + 1e-9
+
+    # MR: the draft and each candidate against the AR step's token, by their sources
+    pol = policy_for(DecodeConfig("mr", block_size=4, verification_size=3, draft_init="repeat", spawn_threshold=0.5))
+    ctx = [1, 2, 3, 4, 9, 1, 2]  # "1 2" occurred before: a context n-gram leads, the repeated-token draft follows
+    st = pol.new_state(ctx, 0)
+    prop = pol.propose(st, ctx)
+    assert prop.draft[0] == 3 and st.segments[0][0] == "context2" and prop.candidates == [[2, 2, 2, 2]]
+    pol.observe(st, ctx + [3], Outcome([3], [3], 0))
+    assert st.stats.snapshot() == {"context2": {"accepted": [1.0], "tried": [1.0]},
+                                   "draft": {"accepted": [0.0], "tried": [1.0]}}
+
+
 def test_step_calibration_backs_off_when_drafting_steps_cost_more_than_the_table():
     """Batch 16 on this CPU: the table said a 2-token forward costs 1.1x a 1-token one, the drafting steps took 2x
     their prediction (verification, MR's second pass, padding) while AR steps took 1x: the penalty is 2 and the

@@ -170,9 +170,16 @@ class Policy:
 
     def record(self, state: DraftState, outcome: Outcome) -> None:
         """Add this step to the request's acceptance statistics: the draft's verified part by source (its greedy
-        match, or the speculative rule's count when the draft won)."""
+        match, or the speculative rule's count when the draft won). After a step that verified none of it (the
+        width choice made it an AR step), whether its first token equals the step's token: the very event by
+        which a forwarded draft's first position is accepted, known without forwarding it -- a request whose
+        first drafts failed would otherwise stay AR to its end, its estimates never revised."""
         w = len(outcome.predictions) - 1
-        if w <= 0 or not state.segments:
+        if not state.segments:
+            return
+        if w <= 0:
+            if w == 0 and state.draft:
+                state.stats.record_chain(state.segments, 1, int(state.draft[0] == outcome.emitted[0]))
             return
         k = outcome.from_draft if outcome.winner is None else accepted_prefix(state.draft[:w], outcome.predictions)
         state.stats.record_chain(state.segments, w, min(k, w))

@@ -191,7 +191,12 @@ class MRPolicy(Policy):
         draft), a candidate that agreed with the prediction there counted as accepted so far (no rejection seen)."""
         super().record(state, outcome)
         w = len(outcome.predictions) - 1
-        if w <= 0 or not state.candidates:
+        if w < 0 or not state.candidates:
+            return
+        if w == 0:  # an AR step: each candidate's first token against the step's token, as the draft's
+            for c, segs in zip(state.candidates, state.cand_segments):
+                if c:
+                    state.stats.record_chain(segs, 1, int(c[0] == outcome.emitted[0]))
             return
         g, main = outcome.predictions, state.draft[:w]
         for i, (c, segs) in enumerate(zip(state.candidates, state.cand_segments)):
