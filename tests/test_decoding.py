@@ -270,15 +270,22 @@ def test_product_kernels_are_measured_kept_with_the_table_and_applied(models, mo
     t = {1: {"transposed": 1.0, "linear": 0.8, "packed": 1.2}, 2: {"transposed": 1.0, "linear": 0.9, "packed": 0.5},
          4: {"transposed": 1.0, "linear": 0.99, "packed": 0.6}, 8: {"transposed": 1.0, "linear": 1.0, "packed": 0.995}}
     default = {1: "transposed", 2: "packed", 4: "packed", 8: "packed"}
-    assert choose(t, default) == ((1, "linear"), (2, "packed"))  # faster where it saves; merged runs
-    # one row takes the two-row kernel (one copy of the weight for AR and draft steps) where it is within 5 %
-    near = {1: {"transposed": 1.0, "skinny": 1.04}, 2: {"transposed": 1.2, "skinny": 1.0}}
-    two = {1: "transposed", 2: "transposed"}
-    assert choose(near, two) == ((1, "skinny"),)
-    assert choose({**near, 1: {"transposed": 1.0, "skinny": 1.06}}, two) == ((1, "transposed"), (2, "skinny"))
-    assert choose(near, two, one_copy=0.0) == ((1, "transposed"), (2, "skinny"))
-    assert choose(t, {1: "transposed", 2: "transposed", 4: "transposed", 8: "transposed"}) == (
+    # up to DECODE_ROWS rows one kernel (one copy of the weight for every decode step): the lowest sum of times over
+    # each row count's fastest -- packed 1.5 + 1 + 1 + 1, linear 1 + 1.8 + 1.65 + 1.005, transposed 5.92
+    assert choose(t, default) == ((1, "packed"),)
+    # past that range each row count its fastest where it saves more than 2 % of the default's time; merged runs
+    assert choose(t, default, decode_rows=1) == ((1, "linear"), (2, "packed"))
+    assert choose(t, {1: "transposed", 2: "transposed", 4: "transposed", 8: "transposed"}, decode_rows=1) == (
         (1, "linear"), (2, "packed"), (8, "transposed"))  # 8 rows: within the noise of the default, which stays
+    # the shared kernel keeps the one-row default unless it saves more than 2 % over the range
+    near = {1: {"transposed": 1.0, "skinny": 0.97}, 2: {"transposed": 1.0, "skinny": 1.02}}
+    two = {1: "transposed", 2: "transposed"}
+    assert choose(near, two) == ((1, "transposed"),)
+    assert choose({**near, 1: {"transposed": 1.0, "skinny": 0.9}}, two) == ((1, "skinny"),)
+    # a kernel not timed at every row count of the range (skinny: up to 16 rows) is not shared past it
+    wide = {1: {"transposed": 1.0, "skinny": 0.5}, 16: {"transposed": 1.0, "skinny": 0.9},
+            24: {"transposed": 1.0, "linear": 0.5}}
+    assert choose(wide, dict.fromkeys(wide, "transposed")) == ((1, "skinny"), (24, "linear"))
     with pytest.raises(ValueError, match="not timed"):
         choose({1: {"linear": 1.0}}, {1: "packed"})
     with pytest.raises(ValueError, match="timings"):
@@ -335,9 +342,9 @@ def test_product_kernels_are_measured_kept_with_the_table_and_applied(models, mo
 
 
 def test_product_calibration_follows_the_timings(models, monkeypatch):
-    """calibrate_products picks, per weight shape and row count, the kernel its products were timed fastest
-    (timings given through a fake clock: the real ones differ by machine), keeps the default within the noise,
-    and frees the copies no choice uses."""
+    """calibrate_products picks, per weight shape, one kernel for the decode range's row counts and past it the
+    fastest by row count, from its products' timings (given through a fake clock: the real ones differ by
+    machine), and frees the copies no choice uses."""
     from megatron_jf.inference import cost_model
     from megatron_jf.inference.lean_forward import lean_forward_for
     from megatron_jf.models.gpt import unwrap
@@ -352,17 +359,19 @@ def test_product_calibration_follows_the_timings(models, monkeypatch):
 
     def linear(self, x, w, name, bias=None, kind=None):  # a product's time by kernel and rows
         rows = x.shape[0]
-        clock[0] += {"transposed": 1.0, "linear": 0.5 if rows <= 2 else 2.0, "packed": 3.0 if rows < 8 else 0.4,
+        clock[0] += {"transposed": 1.0, "linear": 0.5 if rows <= 2 else 1.2, "packed": 3.0 if rows < 8 else 0.4,
                      "skinny": 5.0}[kind]
         return real(self, x, w, name, bias, kind)
 
     monkeypatch.setattr(type(lean), "_linear", linear)
     monkeypatch.setattr(cost_model.time, "perf_counter", lambda: clock[0])
-    got = cost_model.calibrate_products(lean, rows=(1, 2, 4, 8, 16), reps=1)
+    got = cost_model.calibrate_products(lean, rows=(1, 2, 4, 8, 16, 24, 32), reps=1)
     shapes = list(lean.products())
-    assert lean.kernels == {s: ((1, "linear"), (4, "transposed"), (8, "packed")) for s in shapes}
-    assert got == {"products": {f"{a}x{b}": [[1, "linear"], [4, "transposed"], [8, "packed"]] for a, b in shapes}}
-    assert lean._wt and lean._wp and not lean._wk  # the transposed and packed copies are used: kept; panels freed
+    # up to 16 rows one kernel: F.linear, fastest at 1-2 rows only, sums 1 + 1 + 1.2 + 3 + 3 times each row
+    # count's fastest against the transposed copies' 2 + 2 + 1 + 2.5 + 2.5 (packed: 17); past 16 rows the fastest
+    assert lean.kernels == {s: ((1, "linear"), (24, "packed")) for s in shapes}
+    assert got == {"products": {f"{a}x{b}": [[1, "linear"], [24, "packed"]] for a, b in shapes}}
+    assert lean._wp and not lean._wt and not lean._wk  # the packed copies are used: kept; the others freed
 
 
 @pytest.mark.parametrize("decoder,kw", [("jacobi", dict(block_size=4)), ("running-window", dict(block_size=4)),

@@ -67,12 +67,17 @@ PRODUCT_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 #: was measured faster by more than this share (noise on a shared machine must not move a product off the path that
 #: was measured best on other CPUs).
 PACKING_MIN_SAVING = 0.02
-#: A one-row product takes the two-row product's kernel unless its own was measured faster by more than this share:
-#: decoding alternates one-row (AR) and few-row (draft) forwards, and one copy of a weight read by both leaves the
-#: caches to the other weights (SmolLM2-135M, Intel Xeon: the 3,072 x 576 and 49,152 x 576 products measured
-#: ``transposed`` at one row, ``skinny`` at 2-8; ``skinny`` at one row too: default decoder 35.8-35.9 -> 36.6-36.7
-#: tok/s, AR 23.3 -> 23.4-23.9, same run).
-ONE_COPY_MARGIN = 0.05
+#: Products of up to this many rows -- every decode step of batch 1, AR (one row) and drafts alike, and the AR steps
+#: of batches up to 16 -- take one kernel per weight shape, the one whose times over these row counts sum lowest
+#: relative to each row count's fastest: one copy of each weight serves them all. A copy that only some steps read
+#: is out of cache when they come (another tenant's data has the shared cache by then), while the copy every step
+#: reads stays in it: the quickstart JF model (Intel Xeon, one thread), whose kernels had come out ``F.linear`` at 1-3
+#: rows and the transposed copies from 4 (a pick per row count, timed warm), forwarded 8 tokens in 2.0-2.1 ms inside
+#: the decode loop (table: 1.1) against 1.4 with the transposed copies at every row count; SmolLM2-135M's
+#: 3,072 x 576 and 49,152 x 576 products measured ``transposed`` at one row and ``skinny`` at 2-8, ``skinny`` at one
+#: row too: default decoder 35.8-35.9 -> 36.6-36.7 tok/s, AR 23.3 -> 23.4-23.9, same run. Row counts timed apart,
+#: a decode range's picks also hung on one noisy timing each (five weight shapes, two calibrations: eight patterns).
+DECODE_ROWS = 16
 #: Bump when the measurement or the forward it times changes (old cache files are then ignored). 6: bf16 one-row
 #: products through oneDNN's packed weights (lean forward); 7: large fp32 one-row products too; 8: every bf16 product;
 #: 9: the fp32 packing choices measured; 10: the fp32 kernel measured per weight shape and rows
@@ -80,9 +85,9 @@ ONE_COPY_MARGIN = 0.05
 #: additive masks made once per forward, the final norm in the glue; 13: ``skinny`` timed up to the rows of one pass
 #: (8), taking 5-8 rows in one pass. (The C glue's build is part of the key too.) 14: passes repeated for
 #: :data:`REFINE_S`. 15: ``skinny`` up to 16 rows a pass, fused multiply-adds. 16: one row shares the two-row
-#: kernel within :data:`ONE_COPY_MARGIN`. 17: the one-token point kept once a pass, like the others. 18: decode steps
-#: attend in the C glue.
-VERSION = 18
+#: kernel within 5 %. 17: the one-token point kept once a pass, like the others. 18: decode steps
+#: attend in the C glue. 19: one kernel per weight up to :data:`DECODE_ROWS` rows.
+VERSION = 19
 
 
 def _device_name(device: torch.device) -> str:
@@ -201,16 +206,19 @@ def _forward_seconds(runner, rows: int, s: int, gen: torch.Generator, context: i
 
 def choose_kernels(timings: dict[int, dict[str, float]], default: dict[int, str],
                    min_saving: float = PACKING_MIN_SAVING,
-                   one_copy: float = ONE_COPY_MARGIN) -> tuple[tuple[int, str], ...]:
+                   decode_rows: int = DECODE_ROWS) -> tuple[tuple[int, str], ...]:
     """One weight shape's kernel by product rows, from the measured seconds.
+
+    Row counts up to ``decode_rows`` share one kernel (one copy of the weight for every decode step,
+    :data:`DECODE_ROWS`): of the kernels timed at each of them, the one whose times divided by each row count's
+    fastest sum lowest, unless that sum is within ``min_saving`` of the one-row default's. Each larger row count
+    takes its fastest kernel where that saves more than ``min_saving`` of its default's time, else the default.
 
     Args:
         timings: ``{rows: {kernel: seconds}}`` for the kernels timed at each row count.
-        default: ``{rows: kernel}``, the kernel :meth:`LeanForward.default_kernel` picks at each row count (kept
-            unless another was faster by more than ``min_saving``).
+        default: ``{rows: kernel}``, the kernel :meth:`LeanForward.default_kernel` picks at each row count.
         min_saving: the share of the default's time another kernel must save.
-        one_copy: one row takes the kernel picked at two rows where that was timed within this share of its own
-            pick (:data:`ONE_COPY_MARGIN`).
+        decode_rows: the most rows the shared kernel serves.
 
     Returns:
         ``((from_rows, kernel), ...)`` ascending, consecutive row counts with one kernel merged.
@@ -220,17 +228,22 @@ def choose_kernels(timings: dict[int, dict[str, float]], default: dict[int, str]
     """
     if not timings:
         raise ValueError("choose_kernels needs timings at one row count at least")
+    for rows, t in timings.items():
+        if default[rows] not in t:
+            raise ValueError(f"the default kernel {default[rows]!r} was not timed at {rows} rows (timed: {sorted(t)})")
     picks = {}
-    for rows in sorted(timings):
+    small = sorted(r for r in timings if r <= decode_rows)
+    if small:
+        shared = set.intersection(*(set(timings[r]) for r in small))
+        score = {k: sum(timings[r][k] / min(timings[r].values()) for r in small) for k in shared}
+        d = default[small[0]]
+        best = min(sorted(score), key=score.get)  # (sorted: a tie goes the same way on every rank and run)
+        pick = best if d not in score or score[best] < (1.0 - min_saving) * score[d] else d
+        picks = dict.fromkeys(small, pick)
+    for rows in sorted(r for r in timings if r > decode_rows):
         t, d = timings[rows], default[rows]
-        if d not in t:
-            raise ValueError(f"the default kernel {d!r} was not timed at {rows} rows (timed: {sorted(t)})")
         best = min(t, key=t.get)
         picks[rows] = best if t[best] < (1.0 - min_saving) * t[d] else d
-    if 1 in picks and 2 in picks:  # one copy of the weight for the AR and the draft forwards
-        two, t1 = picks[2], timings[1]
-        if two in t1 and t1[two] <= (1.0 + one_copy) * t1[picks[1]]:
-            picks[1] = two
     out: list[tuple[int, str]] = []
     for rows, pick in picks.items():
         if not out or out[-1][1] != pick:
@@ -246,10 +259,9 @@ def calibrate_products(lean, *, rows: tuple[int, ...] = PRODUCT_ROWS, reps: int 
     weight of that shape in turn -- as a forward reads them, so the weights come from memory as they do there --
     by each kernel (``transposed``; ``packed`` where oneDNN packing is on; ``linear``; ``skinny`` where the C glue
     is built), the kernels interleaved,
-    the fastest of ``reps`` passes after a warm-up; :func:`choose_kernels` keeps the default unless another saves
-    more than :data:`PACKING_MIN_SAVING`. On an Intel Xeon with AMX this moved SmolLM2-135M's attention and
-    1,536-input MLP products to ``F.linear`` at 2-3 rows (the MLP one at 1 row too, in two runs of three) and back
-    to the transposed copies from 24-64 rows (``docs/results.md``).
+    the fastest of ``reps`` passes after a warm-up; :func:`choose_kernels` then takes one kernel for the row counts
+    up to :data:`DECODE_ROWS` (one copy of each weight for every decode step) and past them the fastest by row
+    count, keeping the default unless another saves more than :data:`PACKING_MIN_SAVING`.
 
     Returns:
         ``{"products": {"OUTxIN": [[from_rows, kernel], ...]}}`` as set, or None where there is nothing to choose
