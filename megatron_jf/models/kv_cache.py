@@ -78,13 +78,12 @@ class KVCache:
             self._begin_slots(num_new, new_mask, slots, region)
             return
         s = num_new
-        end = self.lengths + s
-        kv_len = int(end.max())
+        lens = self.lengths.tolist()  # (one host read: a decode step of one row is a millisecond)
+        kv_len = max(lens) + s
         if kv_len > self.max_len:
             raise ValueError(f"KV cache overflow: {kv_len} slots needed, cache holds {self.max_len}")
         device = self.k.device
-        starts = self.lengths.to(device)
-        uniform = bool((self.lengths == self.lengths[0]).all())
+        uniform = min(lens) == kv_len - s
         causal_draft = new_mask is None
         if new_mask is None:
             if not uniform:
@@ -93,20 +92,21 @@ class KVCache:
             if new_mask.shape[-2:] != (s, s) or new_mask.dtype != torch.bool:
                 raise ValueError(f"new_mask must be bool [B, {s}, {s}] or [{s}, {s}], got {tuple(new_mask.shape)} {new_mask.dtype}")
             new_mask = new_mask.to(device)
-        if uniform and causal_kernel and new_mask is None and int(self.lengths[0]) == 0:
+        if uniform and causal_kernel and new_mask is None and lens[0] == 0:
             self._step = _Step(s, kv_len, None, 0, None, causal=s > 1)
         elif uniform and s == 1:  # one new token: every key is visible
-            self._step = _Step(s, kv_len, None, int(self.lengths[0]), None)
+            self._step = _Step(s, kv_len, None, lens[0], None)
         elif uniform and causal_draft:  # a draft block after equal rows: a view of a cached template
-            start = int(self.lengths[0])
+            start = lens[0]
             self._step = _Step(s, kv_len, None, start, None, causal_block=True)
         elif uniform:
-            start = int(self.lengths[0])
+            start = lens[0]
             nm = new_mask if new_mask.dim() == 3 else new_mask.unsqueeze(0)
             committed = torch.ones(nm.shape[0], s, start, dtype=torch.bool, device=device)
             mask = torch.cat([committed, nm], dim=-1)  # [B|1, s, start+s]
             self._step = _Step(s, kv_len, mask.unsqueeze(1), start, None)
         else:
+            starts = self.lengths.to(device)
             j = torch.arange(kv_len, device=device)
             rel = j[None, :] - starts[:, None]  # [B, kv]: slot index relative to this row's new block
             committed = rel < 0
