@@ -76,7 +76,8 @@ PACKING_MIN_SAVING = 0.02
 #: the decode loop (table: 1.1) against 1.4 with the transposed copies at every row count; SmolLM2-135M's
 #: 3,072 x 576 and 49,152 x 576 products measured ``transposed`` at one row and ``skinny`` at 2-8, ``skinny`` at one
 #: row too: default decoder 35.8-35.9 -> 36.6-36.7 tok/s, AR 23.3 -> 23.4-23.9, same run. Row counts timed apart,
-#: a decode range's picks also hung on one noisy timing each (five weight shapes, two calibrations: eight patterns).
+#: a decode range's picks also hung on one noisy timing each (the five weight shapes of two calibrations: seven patterns
+#: in ten; summed over the range, nine of ten the transposed copies).
 DECODE_ROWS = 16
 #: Bump when the measurement or the forward it times changes (old cache files are then ignored). 6: bf16 one-row
 #: products through oneDNN's packed weights (lean forward); 7: large fp32 one-row products too; 8: every bf16 product;
