@@ -282,10 +282,15 @@ def test_product_kernels_are_measured_kept_with_the_table_and_applied(models, mo
     two = {1: "transposed", 2: "transposed"}
     assert choose(near, two) == ((1, "transposed"),)
     assert choose({**near, 1: {"transposed": 1.0, "skinny": 0.9}}, two) == ((1, "skinny"),)
-    # a kernel not timed at every row count of the range (skinny: up to 16 rows) is not shared past it
+    # a kernel not timed at every row count of the range (skinny: up to 16 rows) is not shared past it; just past
+    # the range (17-23 rows) a product takes the next measured row count's kernel
     wide = {1: {"transposed": 1.0, "skinny": 0.5}, 16: {"transposed": 1.0, "skinny": 0.9},
-            24: {"transposed": 1.0, "linear": 0.5}}
-    assert choose(wide, dict.fromkeys(wide, "transposed")) == ((1, "skinny"), (24, "linear"))
+            24: {"transposed": 1.0, "linear": 0.5}, 32: {"transposed": 1.0, "linear": 0.5},
+            64: {"transposed": 0.5, "linear": 1.0}}
+    assert choose(wide, dict.fromkeys(wide, "transposed")) == ((1, "skinny"), (17, "linear"), (64, "transposed"))
+    # no kernel timed at every row count of the range (never from calibrate_products): each row count its own
+    assert choose({1: {"transposed": 1.0}, 2: {"packed": 1.0}}, {1: "transposed", 2: "packed"}) == (
+        (1, "transposed"), (2, "packed"))
     with pytest.raises(ValueError, match="not timed"):
         choose({1: {"linear": 1.0}}, {1: "packed"})
     with pytest.raises(ValueError, match="timings"):
@@ -368,9 +373,9 @@ def test_product_calibration_follows_the_timings(models, monkeypatch):
     got = cost_model.calibrate_products(lean, rows=(1, 2, 4, 8, 16, 24, 32), reps=1)
     shapes = list(lean.products())
     # up to 16 rows one kernel: F.linear, fastest at 1-2 rows only, sums 1 + 1 + 1.2 + 3 + 3 times each row
-    # count's fastest against the transposed copies' 2 + 2 + 1 + 2.5 + 2.5 (packed: 17); past 16 rows the fastest
-    assert lean.kernels == {s: ((1, "linear"), (24, "packed")) for s in shapes}
-    assert got == {"products": {f"{a}x{b}": [[1, "linear"], [24, "packed"]] for a, b in shapes}}
+    # count's fastest against the transposed copies' 2 + 2 + 1 + 2.5 + 2.5 (packed: 17); from 17 rows the fastest
+    assert lean.kernels == {s: ((1, "linear"), (17, "packed")) for s in shapes}
+    assert got == {"products": {f"{a}x{b}": [[1, "linear"], [17, "packed"]] for a, b in shapes}}
     assert lean._wp and not lean._wt and not lean._wk  # the packed copies are used: kept; the others freed
 
 

@@ -173,7 +173,9 @@ class Policy:
         match, or the speculative rule's count when the draft won). After a step that verified none of it (the
         width choice made it an AR step), whether its first token equals the step's token: the very event by
         which a forwarded draft's first position is accepted, known without forwarding it -- a request whose
-        first drafts failed would otherwise stay AR to its end, its estimates never revised."""
+        first drafts failed would otherwise stay AR to its end, its estimates never revised. (After several AR steps
+        the decoder's own draft is guesses no forward has refined: this is what drafting them now would show, not
+        what a refined draft would; MR's context and recycled n-grams are the same either way.)"""
         w = len(outcome.predictions) - 1
         if not state.segments:
             return

@@ -70,8 +70,8 @@ PACKING_MIN_SAVING = 0.02
 #: Products of up to this many rows -- every decode step of batch 1, AR (one row) and drafts alike, and the AR steps
 #: of batches up to 16 -- take one kernel per weight shape, the one whose times over these row counts sum lowest
 #: relative to each row count's fastest: one copy of each weight serves them all. A copy that only some steps read
-#: is out of cache when they come (another tenant's data has the shared cache by then), while the copy every step
-#: reads stays in it: the quickstart JF model (Intel Xeon, one thread), whose kernels had come out ``F.linear`` at 1-3
+#: is found out of cache when they come (on this shared host at least), while the copy every step reads stays in
+#: it: the quickstart JF model (Intel Xeon, one thread), whose kernels had come out ``F.linear`` at 1-3
 #: rows and the transposed copies from 4 (a pick per row count, timed warm), forwarded 8 tokens in 2.0-2.1 ms inside
 #: the decode loop (table: 1.1) against 1.4 with the transposed copies at every row count; SmolLM2-135M's
 #: 3,072 x 576 and 49,152 x 576 products measured ``transposed`` at one row and ``skinny`` at 2-8, ``skinny`` at one
@@ -213,7 +213,9 @@ def choose_kernels(timings: dict[int, dict[str, float]], default: dict[int, str]
     Row counts up to ``decode_rows`` share one kernel (one copy of the weight for every decode step,
     :data:`DECODE_ROWS`): of the kernels timed at each of them, the one whose times divided by each row count's
     fastest sum lowest, unless that sum is within ``min_saving`` of the one-row default's. Each larger row count
-    takes its fastest kernel where that saves more than ``min_saving`` of its default's time, else the default.
+    takes its fastest kernel where that saves more than ``min_saving`` of its default's time, else the default (the
+    first of them from ``decode_rows + 1`` rows on); where no kernel was timed at every row count of the range, so do
+    they.
 
     Args:
         timings: ``{rows: {kernel: seconds}}`` for the kernels timed at each row count.
@@ -234,21 +236,23 @@ def choose_kernels(timings: dict[int, dict[str, float]], default: dict[int, str]
             raise ValueError(f"the default kernel {default[rows]!r} was not timed at {rows} rows (timed: {sorted(t)})")
     picks = {}
     small = sorted(r for r in timings if r <= decode_rows)
-    if small:
-        shared = set.intersection(*(set(timings[r]) for r in small))
-        score = {k: sum(timings[r][k] / min(timings[r].values()) for r in small) for k in shared}
+    shared = set.intersection(*(set(timings[r]) for r in small)) if small else set()
+    if shared:
+        score = {k: sum(timings[r][k] / max(min(timings[r].values()), 1e-12) for r in small) for k in shared}
         d = default[small[0]]
         best = min(sorted(score), key=score.get)  # (sorted: a tie goes the same way on every rank and run)
         pick = best if d not in score or score[best] < (1.0 - min_saving) * score[d] else d
         picks = dict.fromkeys(small, pick)
-    for rows in sorted(r for r in timings if r > decode_rows):
+    for rows in sorted(r for r in timings if r not in picks):  # (no kernel timed at every row count: each its own)
         t, d = timings[rows], default[rows]
         best = min(t, key=t.get)
         picks[rows] = best if t[best] < (1.0 - min_saving) * t[d] else d
+    first_past = min((r for r in timings if r > decode_rows), default=None)
     out: list[tuple[int, str]] = []
     for rows, pick in picks.items():
         if not out or out[-1][1] != pick:
-            out.append((rows, pick))
+            # (just past the shared range a product takes the first larger row count's kernel: 17-23 rows 24's)
+            out.append((decode_rows + 1 if shared and rows == first_past else rows, pick))
     return tuple(out)
 
 
