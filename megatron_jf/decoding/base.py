@@ -175,7 +175,8 @@ class Policy:
         which a forwarded draft's first position is accepted, known without forwarding it -- a request whose
         first drafts failed would otherwise stay AR to its end, its estimates never revised. (After several AR steps
         the decoder's own draft is guesses no forward has refined: this is what drafting them now would show, not
-        what a refined draft would; MR's context and recycled n-grams are the same either way.)"""
+        what a refined draft would; MR's context and recycled n-grams are the same either way. Not from the paper,
+        whose widths are fixed: it serves the on-line width choice, :mod:`megatron_jf.decoding.width`.)"""
         w = len(outcome.predictions) - 1
         if not state.segments:
             return

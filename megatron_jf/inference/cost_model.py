@@ -216,6 +216,7 @@ def choose_kernels(timings: dict[int, dict[str, float]], default: dict[int, str]
     takes its fastest kernel where that saves more than ``min_saving`` of its default's time, else the default (the
     first of them from ``decode_rows + 1`` rows on); where no kernel was timed at every row count of the range, so do
     they.
+    Not from the paper: the CPU engine's product kernels.
 
     Args:
         timings: ``{rows: {kernel: seconds}}`` for the kernels timed at each row count.
